@@ -1,0 +1,28 @@
+"""CuTeDSL kernels of moe_mxfp8, installed as ``moe_mxfp8.kernels``.
+
+Importing this package is cheap: CuTeDSL (``cutlass``) is imported only by the kernel modules,
+which `lookup` loads on first use. ``KERNEL_OPS`` is the one arch table: for each backend
+(``"sm90"``, ``"sm100"``) and op name, the module and function that implement it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# op name -> backend -> "module:function" (module relative to this package).
+KERNEL_OPS: dict[str, dict[str, str]] = {}
+
+
+def lookup(op: str, backend: str):
+    """The callable implementing ``op`` on ``backend``; a clear error if there is none."""
+    try:
+        target = KERNEL_OPS[op][backend]
+    except KeyError:
+        have = sorted(b for b in KERNEL_OPS.get(op, {}))
+        raise NotImplementedError(
+            f"moe_mxfp8: no {backend} kernel for {op!r} (kernels exist for: {have or 'none'}); "
+            "use backend='reference'"
+        ) from None
+    mod_name, fn_name = target.split(":")
+    mod = importlib.import_module(f"{__name__}.{mod_name}")
+    return getattr(mod, fn_name)

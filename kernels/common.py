@@ -1,0 +1,98 @@
+"""Pieces every CuTeDSL kernel of moe_mxfp8 shares: target arch, compile cache, tensor/stream
+conversion and the device-side mirror of the packed scale offset.
+
+Imports CuTeDSL (``cutlass``); kernel modules import this, `moe_mxfp8.kernels` does not.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Hashable
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+
+# Archs the kernels are built for; CUTE_DSL_ARCH overrides (compile without a GPU).
+ARCH_BY_BACKEND = {"sm90": "sm_90a", "sm100": "sm_100a"}
+ARCH_ENV = "CUTE_DSL_ARCH"
+
+# Packed (tcgen05) scale layout constants, mirrored from moe_mxfp8.layout.
+TILE_ROWS = 128
+TILE_BLOCKS = 4
+TILE_BYTES = 512
+BLOCK_SIZE = 32
+
+
+def target_arch() -> str:
+    """The arch string kernels compile for: ``$CUTE_DSL_ARCH``, else the current GPU's."""
+    env = os.environ.get(ARCH_ENV)
+    if env:
+        return env
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}a"
+    return "sm_100a"  # the DSL's own default without a GPU
+
+
+@cute.jit
+def packed_scale_offset(r: Int32, c: Int32, num_blocks: Int32) -> Int32:
+    """Device mirror of `moe_mxfp8.layout.packed_scale_offset` (the contract's formula)."""
+    tiles_per_row_tile = (num_blocks + (TILE_BLOCKS - 1)) // TILE_BLOCKS
+    tile = (r // TILE_ROWS) * tiles_per_row_tile + c // TILE_BLOCKS
+    return (
+        tile * TILE_BYTES
+        + (r % 32) * 16
+        + ((r % TILE_ROWS) // 32) * 4
+        + c % TILE_BLOCKS
+    )
+
+
+class CompileCache:
+    """Compiled kernels keyed by one hashable object (dtypes, config, arch, static sizes).
+
+    Never key on data values: token counts stay symbolic in the compiled code.
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict[Hashable, Callable] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
+        fn = self._fns.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._fns.get(key)
+                if fn is None:
+                    fn = build()
+                    self._fns[key] = fn
+        return fn
+
+    def __len__(self) -> int:
+        return len(self._fns)
+
+
+TORCH_TO_CUTLASS = {
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float16: cutlass.Float16,
+    torch.float32: cutlass.Float32,
+    torch.float8_e4m3fn: cutlass.Float8E4M3FN,
+    torch.uint8: cutlass.Uint8,
+    torch.int32: cutlass.Int32,
+}
+
+
+def to_cute(t: torch.Tensor, assumed_align: int = 16):
+    """A torch CUDA tensor as a CuTe tensor (dynamic layout, 16-byte aligned base)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=assumed_align)
+
+
+def current_stream():
+    """The current torch CUDA stream as a CUstream."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)

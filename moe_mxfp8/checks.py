@@ -1,0 +1,81 @@
+"""Argument validation shared by the reference, the kernels' entry points and the autograd layer.
+
+Every error names the argument and says what was expected, so a user sees *which* tensor is wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ROUNDING_MODES = ("rceil", "floor")
+SCALE_LAYOUTS = ("packed", "dense")
+
+
+def check_float_input(name: str, x: torch.Tensor, ndim: int | tuple[int, ...]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if x.dim() not in ndims:
+        want = " or ".join(f"{d}D" for d in ndims)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
+
+
+def check_multiple_of(name: str, value: int, multiple: int, what: str) -> None:
+    if value % multiple != 0:
+        raise ValueError(f"{name}: {what} must be a multiple of {multiple}, got {value}")
+
+
+def check_contiguous(name: str, x: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous (stride {tuple(x.stride())} for shape {tuple(x.shape)}); "
+            "call .contiguous() first"
+        )
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    dev0 = items[0][1].device
+    for k, v in items[1:]:
+        if v.device != dev0:
+            raise ValueError(
+                f"{k} is on {v.device} but {items[0][0]} is on {dev0}; "
+                "all tensors must share a device"
+            )
+
+
+def check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+
+
+def check_scale_layout(scale_layout: str) -> None:
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+
+
+def check_offs(offs: torch.Tensor, extent: int, *, name: str = "offs", sync: bool = True) -> None:
+    """``offs``: 1D int32 cumulative group ends, non-decreasing, last value == ``extent``.
+
+    The value checks read ``offs`` on the host; on the GPU hot path they are skipped
+    (``sync=False``)
+    so that CUDA graphs and ``torch.compile`` see no host synchronisation.
+    """
+    if not isinstance(offs, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(offs).__name__}")
+    if offs.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (cumulative group ends), got {offs.dtype}")
+    if offs.dim() != 1 or offs.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1D tensor, got shape {tuple(offs.shape)}")
+    if not sync:
+        return
+    o = offs.detach().to("cpu", torch.int64)
+    if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0:
+        raise ValueError(f"{name} must be non-decreasing and non-negative, got {o.tolist()}")
+    if int(o[-1]) != extent:
+        raise ValueError(f"{name}[-1] must equal the grouped extent {extent}, got {int(o[-1])}")

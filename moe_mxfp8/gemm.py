@@ -1,0 +1,74 @@
+"""Grouped MXFP8 GEMMs on quantized operands: argument checks, then reference or kernel.
+
+* `grouped_mm_m` -- 2D x 3D, M-grouped (fprop, dgrad): ``a`` rowwise ``(M, K)`` with row groups,
+  ``b`` expert weights ``(E, N, K)`` quantized along K -> ``(M, N)``.
+* `grouped_mm_k` -- 2D x 2D, K-grouped (wgrad): ``a`` ``(N, M)`` and ``b`` ``(K, M)`` quantized
+  along M with per-group blocks -> ``(E, N, K)``.
+
+Kernel entry points (``moe_mxfp8.kernels.lookup("grouped_mm_m" | "grouped_mm_k", backend)``)
+take ``(a, b, offs, out_dtype)`` and must not synchronise with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as R
+from .backend import resolve_backend
+from .mx_tensor import MXFP8Tensor
+
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> None:
+    if not isinstance(a, MXFP8Tensor) or not isinstance(b, MXFP8Tensor):
+        raise TypeError("a and b must be MXFP8Tensor (use moe_mxfp8.quantize_*)")
+    if a.scale_layout != "packed" or b.scale_layout != "packed":
+        raise ValueError("grouped GEMM operands need packed scales (scale_layout='packed')")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if offs.dtype != torch.int32 or offs.dim() != 1:
+        raise TypeError(f"offs must be a 1D int32 tensor, got {offs.dtype} {tuple(offs.shape)}")
+    devs = {a.device, b.device, offs.device}
+    if len(devs) != 1:
+        raise ValueError(f"a, b and offs must share a device, got {sorted(map(str, devs))}")
+
+
+def grouped_mm_m(
+    a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor, *,
+    out_dtype: torch.dtype = torch.bfloat16, backend: str | None = "auto",
+) -> torch.Tensor:
+    """M-grouped ``out[rows of g] = a[rows of g] @ b[g].T``: ``(M, K) x (E, N, K) -> (M, N)``."""
+    _check(a, b, offs, out_dtype)
+    if a.data.dim() != 2 or b.data.dim() != 3 or b.group_axis != "experts":
+        raise ValueError("grouped_mm_m needs a 2D rowwise `a` and 3D expert weights `b`")
+    if a.group_axis not in (None, "rows"):
+        raise ValueError("grouped_mm_m: `a` must be quantized rowwise (blocks along K)")
+    if a.data.shape[1] != b.data.shape[2]:
+        raise ValueError(f"K mismatch: a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    if offs.numel() != b.data.shape[0]:
+        raise ValueError(f"offs has {offs.numel()} groups but b has {b.data.shape[0]} experts")
+    be = resolve_backend(backend, a.device)
+    if be == "reference":
+        return R.grouped_mm(a, b, offs, out_dtype)
+    from .kernels import lookup
+
+    return lookup("grouped_mm_m", be)(a, b, offs, out_dtype)
+
+
+def grouped_mm_k(
+    a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor, *,
+    out_dtype: torch.dtype = torch.bfloat16, backend: str | None = "auto",
+) -> torch.Tensor:
+    """K-grouped ``out[g] = a[:, g] @ b[:, g].T``: ``(N, M) x (K, M) -> (E, N, K)``."""
+    _check(a, b, offs, out_dtype)
+    if a.group_axis != "k" or b.group_axis != "k":
+        raise ValueError("grouped_mm_k needs operands quantized along M per group (offs=...)")
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"M mismatch: a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    be = resolve_backend(backend, a.device)
+    if be == "reference":
+        return R.grouped_mm(a, b, offs, out_dtype)
+    from .kernels import lookup
+
+    return lookup("grouped_mm_k", be)(a, b, offs, out_dtype)
