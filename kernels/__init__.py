@@ -26,3 +26,8 @@ def lookup(op: str, backend: str):
     mod_name, fn_name = target.split(":")
     mod = importlib.import_module(f"{__name__}.{mod_name}")
     return getattr(mod, fn_name)
+
+# MXFP8 quantizers (kernels/quantize.py): one SIMT source for both archs.
+for _op in ("quantize_rowwise", "quantize_colwise", "quantize_dual", "quantize_weights"):
+    KERNEL_OPS[_op] = {"sm90": f"quantize:{_op}", "sm100": f"quantize:{_op}"}
+del _op

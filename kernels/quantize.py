@@ -1,0 +1,817 @@
+"""MXFP8 quantizer kernels (CuTeDSL): rowwise, columnwise, dual and expert weights.
+
+Bit-exact with `moe_mxfp8.reference` (``shared/docs/mxfp8-contract.md``); scales are written
+straight into the packed (tcgen05) layout, pad bytes included, so no memset is needed.
+
+**Arch genericity.** One source compiles for sm_90a and sm_100a: the kernels use only SIMT
+instructions that both have -- 16-byte ``ld.global.nc``/``st.global``, ``shfl.sync``, shared
+memory, integer min/max and ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+, ``F2FP.SATFINITE.E4M3`` in
+SASS). No TMA, wgmma or tcgen05; `target_arch` (``CUTE_DSL_ARCH``) only picks the cubin.
+
+**One tile kernel, four front ends.** Every CTA (256 threads) owns a 128-token x 128-feature
+tile of ``x (M, K)`` (``x`` row-major, tokens = rows). Grid: ``(ceil(K/128), virtual token
+tiles)``. A *virtual token tile* is a 128-row tile of the packed scale layout: with row groups
+(``offs``) each group's tiles start on a tile boundary (contract, "Grouped layouts"), so tile
+``t`` belongs to one group and covers up to 128 of its tokens; tiles past the last group only
+write zero pad bytes. Both grouped layouts (rows: tile ``t`` is packed row tile ``t``; K-groups:
+group g's packed matrix starts at ``Rp * 4 * T_g`` bytes, ``T_g`` = tiles before g) are indexed by
+the same ``t``, which is why one grid serves rowwise, columnwise and dual.
+
+* load: each thread issues 8 (16-bit input) or 16 (fp32) independent 16-byte loads; a warp reads
+  512 contiguous bytes per instruction (no TMA: plain vector loads already run above the copy
+  ceiling, benchmarks/RESULTS.md "Quantizers"). Rows past the group end / features past K load
+  as 0, which makes their scale byte 0 -- exactly the pad bytes the layout wants.
+* rowwise (from registers): a 32-element block spans 4 lanes (16-bit) or 8 lanes (fp32); the
+  block amax is the integer max of the fp32 ``|x|`` bit patterns, finished with ``shfl.bfly``.
+* columnwise (through shared memory): the tile is stored row-major; a thread reads one 32-bit
+  word down 32 tokens (lanes along features: conflict-free), takes the amax per feature,
+  quantizes, stages the transposed bytes in shared memory, and the CTA writes ``x.T`` rows with
+  16-byte stores (aligned case) or funnel-shifted aligned 4-byte stores plus byte stores at the
+  two ends of a segment (arbitrary group starts / odd M).
+* weights: axis K = rowwise over ``(E*N, K)`` with uniform groups of N rows (= the expert
+  layout); axis N = columnwise with each expert's ``(K, N)`` block contiguous; ``block_rows=32``
+  reduces the 32 column amaxes of a 32x32 tile across lanes first.
+
+Scale exponent from the amax bits (never log2): ``e = E - 135 + (m > 0x600000)`` (RCEIL) or
+``E - 135`` (FLOOR), clamped to [-127, 127]; 0xFF for NaN/Inf blocks. ``2^-e`` is built from
+bits; the multiply is ``mul.rn.f32`` (no flush-to-zero: fp32 subnormal inputs scale exactly),
+then ``cvt.rn.satfinite.e4m3x2.f32`` -- RNE with saturation to +-448, the same as the
+reference's clamp-then-cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import AddressSpace
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from moe_mxfp8 import layout as L
+from moe_mxfp8.mx_tensor import MXFP8Tensor
+from moe_mxfp8.reference import (  # noqa: F401  (the pure-PyTorch definitions of these kernels)
+    quantize_colwise_ref,
+    quantize_dual_ref,
+    quantize_rowwise_ref,
+    quantize_weights_ref,
+)
+
+from .common import TORCH_TO_CUTLASS, CompileCache, current_stream, target_arch
+
+TILE_TOKENS = 128  # tokens per CTA tile = rows of one packed scale tile
+TILE_FEATURES = 128  # features per CTA tile = 4 scale blocks (one packed 4-block column)
+THREADS = 256
+VEC_BYTES = 16  # one ld.global.v4 / st.global.v4
+STAGE_ROW_BYTES = TILE_TOKENS + 16  # transposed staging row, padded by 16 B against conflicts
+ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Scale exponent constants (see moe_mxfp8.reference for their derivation).
+E4M3_EMAX_BIASED = 135
+RCEIL_MANTISSA_THRESHOLD = 0x600000
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+ABS_MASK = 0x7FFFFFFF
+BF16_HI_MASK = -65536  # 0xFFFF0000 as int32
+NO_MATCH = 0x7FFFFFFF  # load default that never satisfies ``tile_end <= t``
+
+
+# ---------------------------------------------------------------------------------------------
+# PTX helpers (inline asm: exact instruction choice, checked in PTX/SASS)
+# ---------------------------------------------------------------------------------------------
+
+def _asm(ret, args, text, constraints, side_effects, loc, ip):
+    return llvm.inline_asm(
+        ret, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+        has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def ld_global_v4(addr, pred, *, loc=None, ip=None):
+    """16 bytes from read-only global memory as 4 int32 words (zeros where ``pred`` is 0)."""
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    res = _asm(
+        st, [Int64(addr), Int32(pred)],
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        "@p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];\n}",
+        "=r,=r,=r,=r,l,r", False, loc, ip,
+    )
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def ld_global_b32(addr, pred, default: int, *, loc=None, ip=None):
+    """One int32 from read-only global memory, ``default`` where ``pred`` is 0."""
+    return Int32(_asm(
+        T.i32(), [Int64(addr), Int32(pred)],
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n"
+        f"mov.b32 $0, {default};\n@p ld.global.nc.b32 $0, [$1];\n}}",
+        "=r,l,r", False, loc, ip,
+    ))
+
+
+@dsl_user_op
+def st_global(addr, words, pred, *, loc=None, ip=None):
+    """Store 1, 2 or 4 int32 words (4, 8, 16 bytes) where ``pred`` is nonzero."""
+    n = len(words)
+    vec = {1: "b32 [$0], $1", 2: "v2.b32 [$0], {$1, $2}", 4: "v4.b32 [$0], {$1, $2, $3, $4}"}[n]
+    _asm(
+        None, [Int64(addr), *[Int32(w) for w in words], Int32(pred)],
+        f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${n + 1}, 0;\n@p st.global.{vec};\n}}",
+        "l," + ",".join(["r"] * (n + 1)), True, loc, ip,
+    )
+
+
+@dsl_user_op
+def st_global_u8(addr, value, pred, *, loc=None, ip=None):
+    _asm(
+        None, [Int64(addr), Int32(value), Int32(pred)],
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.global.u8 [$0], $1;\n}",
+        "l,r,r", True, loc, ip,
+    )
+
+
+@dsl_user_op
+def st_shared(addr, words, *, loc=None, ip=None):
+    """Store 1 or 4 int32 words to shared memory (32-bit shared address)."""
+    n = len(words)
+    vec = {1: "b32 [$0], $1", 4: "v4.b32 [$0], {$1, $2, $3, $4}"}[n]
+    _asm(
+        None, [Int32(addr), *[Int32(w) for w in words]], f"st.shared.{vec};",
+        "r," + ",".join(["r"] * n), True, loc, ip,
+    )
+
+
+@dsl_user_op
+def st_shared_pred(addr, value, pred, *, loc=None, ip=None):
+    _asm(
+        None, [Int32(addr), Int32(value), Int32(pred)],
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.shared.b32 [$0], $1;\n}",
+        "r,r,r", True, loc, ip,
+    )
+
+
+@dsl_user_op
+def ld_shared_b32(addr, *, loc=None, ip=None):
+    # volatile (side effects) so that it is never hoisted above a barrier
+    return Int32(_asm(T.i32(), [Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r", True, loc, ip))
+
+
+@dsl_user_op
+def ld_shared_v4(addr, *, loc=None, ip=None):
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    res = _asm(st, [Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+               "=r,=r,=r,=r,r", True, loc, ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def cvt_e4m3x4(a, b, c, d, inv_scale_bits, *, loc=None, ip=None):
+    """Four fp32 bit patterns times ``2^-e`` -> four E4M3 bytes in one int32 (``a`` lowest).
+
+    ``mul.rn.f32`` (no ftz) then ``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even,
+    saturate to +-448 -- the reference's clamp-then-cast.
+    """
+    return Int32(_asm(
+        T.i32(), [Int32(v) for v in (a, b, c, d, inv_scale_bits)],
+        "{\n.reg .f32 fa, fb, fc, fd, s;\n.reg .b16 lo, hi;\n"
+        "mov.b32 s, $5;\nmov.b32 fa, $1;\nmov.b32 fb, $2;\nmov.b32 fc, $3;\nmov.b32 fd, $4;\n"
+        "mul.rn.f32 fa, fa, s;\nmul.rn.f32 fb, fb, s;\nmul.rn.f32 fc, fc, s;\n"
+        "mul.rn.f32 fd, fd, s;\ncvt.rn.satfinite.e4m3x2.f32 lo, fb, fa;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, fd, fc;\nmov.b32 $0, {lo, hi};\n}",
+        "=r,r,r,r,r,r", False, loc, ip,
+    ))
+
+
+@dsl_user_op
+def funnel_shift_right(lo, hi, n, *, loc=None, ip=None):
+    """Low 32 bits of ``(hi:lo) >> n``, n clamped to 32 (``shf.r.clamp``)."""
+    return Int32(_asm(T.i32(), [Int32(lo), Int32(hi), Int32(n)],
+                      "shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def f16_to_f32_bits(word, half: int, *, loc=None, ip=None):
+    """fp32 bit pattern of the low (``half=0``) or high fp16 of a word (exact conversion)."""
+    sel = "l" if half == 0 else "h"
+    return Int32(_asm(
+        T.i32(), [Int32(word)],
+        "{\n.reg .b16 l, h;\n.reg .f32 f;\nmov.b32 {l, h}, $1;\n"
+        f"cvt.f32.f16 f, {sel};\nmov.b32 $0, f;\n}}",
+        "=r,r", False, loc, ip,
+    ))
+
+
+def _log2(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def unpack_f32_bits(word, half: int, dtype: str):
+    """fp32 bits of element ``half`` (0 = lower address) of a 32-bit input word."""
+    if dtype == "float32":
+        return word
+    if dtype == "bfloat16":
+        return word << 16 if half == 0 else word & BF16_HI_MASK
+    return f16_to_f32_bits(word, half)
+
+
+def scale_from_amax(amax, rceil: bool):
+    """(E8M0 byte, fp32 bits of 2^-e) from the fp32 bits of a block's |amax|."""
+    exp_field = amax >> 23
+    e = exp_field - E4M3_EMAX_BIASED
+    if rceil:
+        e = e + Int32((amax & 0x7FFFFF) > RCEIL_MANTISSA_THRESHOLD)
+    e = cutlass.min(cutlass.max(e, -E8M0_BIAS), E8M0_BIAS)
+    byte = cutlass.select_(exp_field == 0xFF, Int32(E8M0_NAN), e + E8M0_BIAS)
+    return byte, inv_scale_from_byte(e + E8M0_BIAS)
+
+
+def inv_scale_from_byte(byte):
+    """fp32 bits of ``2^(127 - byte)`` (a normal fp32 for every finite block's byte)."""
+    return (2 * E8M0_BIAS - byte) << 23
+
+
+# ---------------------------------------------------------------------------------------------
+# The tile kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Static configuration of one compiled quantizer (the compile-cache key with the arch).
+
+    dtype: input dtype name; rounding: "rceil" | "floor"; k: features (static, % 32 == 0);
+    rows / cols: write the rowwise / columnwise output; grouping: "none" | "offs" (row groups
+    from device ``offs``) | "uniform" (groups of ``group_rows`` tokens: experts);
+    col_layout: "concat" (``x.T`` as ``(K, M)``) | "experts" (``(E, K, N)``);
+    block_rows: 1 or 32 (32x32 scale tiles); col_aligned: every colwise output segment starts on
+    16 bytes (no offs, tokens per group % 16 == 0) -> 16-byte stores instead of shifted words.
+    """
+
+    dtype: str
+    rounding: str
+    k: int
+    rows: bool
+    cols: bool
+    grouping: str = "none"
+    group_rows: int = 0
+    col_layout: str = "concat"
+    block_rows: int = 1
+    col_aligned: bool = False
+
+
+class TileQuantizer:
+    """Shared implementation; the four public classes below pick its flags."""
+
+    def __init__(self, config: QuantConfig):
+        self.cfg = config
+        eb = ELEM_BYTES[config.dtype]
+        self.elem_bytes = eb
+        self.vec_elems = VEC_BYTES // eb  # elements per 16-byte vector: 8 or 4
+        self.lanes_per_block = L.BLOCK_SIZE // self.vec_elems  # 4 or 8
+        self.vecs_per_row = TILE_FEATURES * eb // VEC_BYTES  # 16 or 32
+        self.vecs_per_thread = TILE_TOKENS * self.vecs_per_row // THREADS  # 8 or 16
+        self.row_bytes = TILE_FEATURES * eb  # shared tile row: 256 or 512 bytes
+        self.words_per_row = self.row_bytes // 4  # 64 or 128
+        self.feats_per_word = 4 // eb  # 2 or 1
+        self.col_tasks = self.words_per_row * 4 // THREADS  # (word column, block) per thread
+        self.feat_tiles = L.ceil_div(config.k, TILE_FEATURES)
+        self.k_padded = self.feat_tiles * TILE_FEATURES  # Rp of the colwise packed layout
+        self.block32 = config.block_rows == 32
+        self.needs_smem = config.cols or self.block32
+        tile_bytes = TILE_TOKENS * self.row_bytes
+        stage_bytes = TILE_FEATURES * STAGE_ROW_BYTES
+        self.tscale_offset = max(tile_bytes, stage_bytes)  # staging aliases the input tile
+        self.smem_bytes = self.tscale_offset + 64 if self.needs_smem else 0
+
+    def can_implement(self) -> str | None:
+        """None if this config can run, else why not."""
+        c = self.cfg
+        if c.dtype not in ELEM_BYTES:
+            return f"input dtype {c.dtype} not supported (bfloat16, float16, float32)"
+        if c.rounding not in ("rceil", "floor"):
+            return f"rounding {c.rounding!r} not supported"
+        if c.k % L.BLOCK_SIZE:
+            return f"K={c.k} must be a multiple of 32 (16-byte vectors never straddle a block)"
+        if not (c.rows or c.cols):
+            return "nothing to write"
+        if c.grouping not in ("none", "offs", "uniform"):
+            return f"grouping {c.grouping!r} unknown"
+        if c.grouping == "uniform" and c.group_rows <= 0:
+            return "uniform groups (experts) need a positive row count"
+        if c.grouping == "uniform" and (c.cols or self.block32) and c.group_rows % L.BLOCK_SIZE:
+            return f"blocks along the expert rows need N % 32 == 0, got N={c.group_rows}"
+        if c.col_layout == "experts" and c.grouping != "uniform":
+            return "the experts column layout needs uniform groups"
+        if self.block32 and c.grouping != "uniform":
+            return "32x32 blocks are for expert weights (uniform groups)"
+        return None
+
+    # ---- host side --------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(
+        self, x: cute.Pointer, q_row: cute.Pointer, s_row: cute.Pointer, q_col: cute.Pointer,
+        s_col: cute.Pointer, offs: cute.Pointer, tile_ends: cute.Pointer, m: Int32,
+        n_groups: Int32, search_steps: Int32, n_vtiles: Int32, stream,
+    ):
+        self.kernel(
+            x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, search_steps, n_vtiles,
+        ).launch(
+            grid=[self.feat_tiles, n_vtiles, 1], block=[THREADS, 1, 1],
+            smem=self.smem_bytes, stream=stream,
+        )
+
+    # ---- device side ------------------------------------------------------------------------
+
+    @cute.jit
+    def tile_context(self, offs, tile_ends, m, n_groups, search_steps, n_vtiles, t):
+        """For virtual token tile t: (first token, valid rows, first tile of its group,
+        tiles of its group, group id)."""
+        c = self.cfg
+        tok_begin = t * TILE_TOKENS
+        n_valid = m - tok_begin
+        t_first = Int32(0)
+        tiles_g = n_vtiles
+        g = Int32(0)
+        if const_expr(c.grouping == "uniform"):
+            tiles_per_group = L.ceil_div(c.group_rows, TILE_TOKENS)
+            g = t // tiles_per_group
+            t_first = g * tiles_per_group
+            local = (t - t_first) * TILE_TOKENS
+            tok_begin = g * c.group_rows + local
+            n_valid = c.group_rows - local
+            tiles_g = Int32(tiles_per_group)
+        if const_expr(c.grouping == "offs"):
+            # g = number of groups whose cumulative tile end is <= t (branch-free binary search
+            # over the int32 cumulative tile counts of the groups; empty groups own no tile).
+            te = tile_ends.toint()
+            lo = Int32(0)
+            n = n_groups
+            for _ in cutlass.range(search_steps, unroll=1):
+                half = n // 2
+                v = ld_global_b32(te + Int64(lo + half) * 4, n > 0, NO_MATCH)
+                go = v <= t
+                lo = cutlass.select_(go, lo + half + 1, lo)
+                n = cutlass.select_(go, n - half - 1, half)
+            g = lo
+            real = Int32(g < n_groups)
+            t_first = ld_global_b32(te + Int64(g - 1) * 4, g > 0, 0)
+            t_end = ld_global_b32(te + Int64(g) * 4, real, 0)
+            o = offs.toint()
+            start = ld_global_b32(o + Int64(g - 1) * 4, g > 0, 0)
+            end = ld_global_b32(o + Int64(g) * 4, real, 0)
+            tok_begin = start + (t - t_first) * TILE_TOKENS
+            n_valid = cutlass.select_(real != 0, end - tok_begin, 0)
+            tiles_g = cutlass.select_(real != 0, t_end, n_vtiles) - t_first
+        n_valid = cutlass.min(cutlass.max(n_valid, 0), TILE_TOKENS)
+        return tok_begin, n_valid, t_first, tiles_g, g
+
+    @cute.kernel
+    def kernel(
+        self, x: cute.Pointer, q_row: cute.Pointer, s_row: cute.Pointer, q_col: cute.Pointer,
+        s_col: cute.Pointer, offs: cute.Pointer, tile_ends: cute.Pointer, m: Int32,
+        n_groups: Int32, search_steps: Int32, n_vtiles: Int32,
+    ):
+        c = self.cfg
+        tid, _, _ = cute.arch.thread_idx()
+        bx, t, _ = cute.arch.block_idx()
+        tok_begin, n_valid, t_first, tiles_g, g = self.tile_context(
+            offs, tile_ends, m, n_groups, search_steps, n_vtiles, t
+        )
+        feat0 = bx * TILE_FEATURES
+        words = self.load_tile(x, tok_begin, n_valid, feat0, tid)
+        smem = Int32(0)
+        if const_expr(self.needs_smem):
+            smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
+            self.stash_tile(smem, words, tid)
+        if const_expr(c.rows and not self.block32):
+            self.rows_phase(q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid)
+        if const_expr(self.needs_smem):
+            cute.arch.sync_threads()
+            self.cols_phase(q_col, s_col, smem, tok_begin, n_valid, feat0, bx, t, t_first,
+                            tiles_g, g, m, tid)
+        if const_expr(c.rows and self.block32):
+            self.rows_phase(q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid)
+
+    @cute.jit
+    def load_tile(self, x, tok_begin, n_valid, feat0, tid):
+        """All of this thread's 16-byte vectors of the tile, issued back to back."""
+        c = self.cfg
+        words = []
+        base = x.toint()
+        for it in cutlass.range_constexpr(self.vecs_per_thread):
+            r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
+            vec = tid % self.vecs_per_row
+            feat = feat0 + vec * self.vec_elems
+            ok = Int32(r < n_valid) & Int32(feat < c.k)
+            elem = Int64(tok_begin + r) * c.k + feat
+            words.extend(ld_global_v4(base + elem * self.elem_bytes, ok))
+        return words
+
+    @cute.jit
+    def stash_tile(self, smem, words, tid):
+        """Row-major copy of the tile in shared memory (a warp stores 512 contiguous bytes)."""
+        for it in cutlass.range_constexpr(self.vecs_per_thread):
+            r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
+            vec = tid % self.vecs_per_row
+            st_shared(smem + r * self.row_bytes + vec * VEC_BYTES, words[4 * it: 4 * it + 4])
+
+    @cute.jit
+    def rows_phase(self, q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid):
+        """Rowwise output from registers: lanes_per_block lanes share a block (shfl amax)."""
+        c = self.cfg
+        lane = tid % 32
+        rceil = c.rounding == "rceil"
+        q_base = q_row.toint()
+        s_base = s_row.toint()
+        for it in cutlass.range_constexpr(self.vecs_per_thread):
+            r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
+            vec = tid % self.vecs_per_row
+            blk = vec // self.lanes_per_block
+            w = words[4 * it: 4 * it + 4]
+            bits = []
+            for j in cutlass.range_constexpr(4):
+                for h in cutlass.range_constexpr(self.feats_per_word):
+                    bits.append(unpack_f32_bits(w[j], h, c.dtype))
+            byte = Int32(0)
+            inv = Int32(0)
+            if const_expr(self.block32):
+                byte = ld_shared_b32(smem + self.tscale_offset + ((r // 32) * 4 + blk) * 4)
+                inv = inv_scale_from_byte(byte)
+            else:
+                amax = bits[0] & ABS_MASK
+                for i in cutlass.range_constexpr(1, len(bits)):
+                    amax = cutlass.max(amax, bits[i] & ABS_MASK)
+                for step in cutlass.range_constexpr(_log2(self.lanes_per_block)):
+                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << step))
+                byte, inv = scale_from_amax(amax, rceil)
+            out = []
+            for j in cutlass.range_constexpr(len(bits) // 4):
+                out.append(cvt_e4m3x4(bits[4 * j], bits[4 * j + 1], bits[4 * j + 2],
+                                      bits[4 * j + 3], inv))
+            feat = feat0 + vec * self.vec_elems
+            ok = Int32(r < n_valid) & Int32(feat < c.k)
+            st_global(q_base + Int64(tok_begin + r) * c.k + feat, out, ok)
+            # Packed offset of (virtual row t*128 + r, block 4*bx + blk); every byte of the
+            # tile is written (pad rows / blocks load as zeros -> byte 0).
+            s_off = (t * self.feat_tiles + bx) * L.TILE_BYTES + (r % 32) * 16 + (r // 32) * 4
+            st_global_u8(s_base + Int64(s_off + blk), byte,
+                         Int32(lane % self.lanes_per_block == 0))
+
+    @cute.jit
+    def cols_phase(self, q_col, s_col, smem, tok_begin, n_valid, feat0, bx, t, t_first,
+                   tiles_g, g, m, tid):
+        """Column amax/quantize from the shared tile, staged transposed, then written out."""
+        c = self.cfg
+        rceil = c.rounding == "rceil"
+        s_base = s_col.toint()
+        lane = tid % 32
+        # Group g's packed matrix: Rp rows x 4*tiles_g blocks, at Rp*4*t_first bytes.
+        col_base = Int64(t_first) * (self.k_padded * 4)
+        outs = []
+        for task in cutlass.range_constexpr(self.col_tasks):
+            u = task * THREADS + tid
+            wc = u % self.words_per_row
+            blk = u // self.words_per_row
+            cw = []
+            for i in cutlass.range_constexpr(L.BLOCK_SIZE):
+                cw.append(ld_shared_b32(smem + (blk * 32 + i) * self.row_bytes + wc * 4))
+            for h in cutlass.range_constexpr(self.feats_per_word):
+                bits = [unpack_f32_bits(cw[i], h, c.dtype) for i in range(L.BLOCK_SIZE)]
+                amax = bits[0] & ABS_MASK
+                for i in cutlass.range_constexpr(1, L.BLOCK_SIZE):
+                    amax = cutlass.max(amax, bits[i] & ABS_MASK)
+                outs.append((wc * self.feats_per_word + h, blk, bits, amax))
+        if const_expr(self.block32):
+            outs = self.tile_amax(outs, smem, lane, tid)
+        staged = []
+        for oi in cutlass.range_constexpr(len(outs)):
+            f, blk, bits, amax = outs[oi]
+            byte, inv = scale_from_amax(amax, rceil)
+            if const_expr(c.cols):
+                q = [cvt_e4m3x4(bits[4 * j], bits[4 * j + 1], bits[4 * j + 2], bits[4 * j + 3],
+                                inv) for j in range(8)]
+                staged.append((f, blk, q))
+                s_off = ((bx * tiles_g + (t - t_first)) * L.TILE_BYTES + (f % 32) * 16
+                         + (f // 32) * 4 + blk)
+                st_global_u8(s_base + col_base + s_off, byte, 1)
+        if const_expr(c.cols):
+            cute.arch.sync_threads()  # every column read of the input tile is done
+            for si in cutlass.range_constexpr(len(staged)):
+                f, blk, q = staged[si]
+                a = smem + f * STAGE_ROW_BYTES + blk * 32
+                st_shared(a, q[0:4])
+                st_shared(a + 16, q[4:8])
+            cute.arch.sync_threads()
+            self.write_cols(q_col, smem, tok_begin, n_valid, feat0, t, t_first, g, m, tid)
+        else:
+            cute.arch.sync_threads()  # tile scales visible to the rows phase
+
+    @cute.jit
+    def tile_amax(self, outs, smem, lane, tid):
+        """32x32 blocks: max of the 32 column amaxes of a tile (lanes hold 32 features)."""
+        c = self.cfg
+        width = L.BLOCK_SIZE // self.feats_per_word  # lanes spanning 32 features
+        res = []
+        for task in cutlass.range_constexpr(self.col_tasks):
+            parts = outs[task * self.feats_per_word: (task + 1) * self.feats_per_word]
+            amax = parts[0][3]
+            for i in cutlass.range_constexpr(1, len(parts)):
+                amax = cutlass.max(amax, parts[i][3])
+            for step in cutlass.range_constexpr(_log2(width)):
+                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << step))
+            if const_expr(c.rows):
+                f, blk = parts[0][0], parts[0][1]
+                byte, _ = scale_from_amax(amax, c.rounding == "rceil")
+                a = smem + self.tscale_offset + (blk * 4 + f // 32) * 4
+                # one writer per 32x32 tile (all its lanes hold the same value)
+                st_shared_pred(a, byte, Int32(lane % width == 0))
+            for i in cutlass.range_constexpr(len(parts)):
+                res.append((parts[i][0], parts[i][1], parts[i][2], amax))
+        return res
+
+    @cute.jit
+    def write_cols(self, q_col, smem, tok_begin, n_valid, feat0, t, t_first, g, m, tid):
+        """Transposed rows from the staging buffer to ``x.T`` (or the experts' ``(K, N)``)."""
+        c = self.cfg
+        base = q_col.toint()
+        if const_expr(c.col_aligned):
+            chunks = TILE_TOKENS // VEC_BYTES  # 16-byte chunks per staged row
+            for it in cutlass.range_constexpr(TILE_FEATURES * chunks // THREADS):
+                u = it * THREADS + tid
+                f = u // chunks
+                ch = u % chunks
+                v = ld_shared_v4(smem + f * STAGE_ROW_BYTES + ch * VEC_BYTES)
+                ok = Int32(feat0 + f < c.k) & Int32(ch * VEC_BYTES < n_valid)
+                dst = self.col_row_start(feat0 + f, tok_begin, t, t_first, g, m)
+                st_global(base + dst + ch * VEC_BYTES, v, ok)
+        else:
+            # Arbitrary byte alignment (group starts, odd M): each lane writes one aligned 32-bit
+            # word of the destination, funnel-shifting two staged words into place; the partial
+            # words at either end of the segment fall back to byte stores (their other bytes
+            # belong to the neighbouring tile). A row spans up to 33 words: lane 31 also takes
+            # word 32. Measured: byte stores everywhere ran grouped colwise at 78% of copy.
+            wpr = TILE_TOKENS // 4  # staged words per row; a warp writes one row
+            for it in cutlass.range(TILE_FEATURES * wpr // THREADS, unroll=4):
+                u = it * THREADS + tid
+                f = u // wpr
+                w = u % wpr
+                dst = base + self.col_row_start(feat0 + f, tok_begin, t, t_first, g, m)
+                mis = Int32(dst & 3)
+                row = smem + f * STAGE_ROW_BYTES
+                fok = Int32(feat0 + f < c.k)
+                self.store_shifted_word(row, w, dst - mis, mis, n_valid, fok)
+                self.store_shifted_word(row, Int32(wpr), dst - mis, mis, n_valid,
+                                        fok & Int32(w == wpr - 1))
+
+    @cute.jit
+    def store_shifted_word(self, row, w, aligned, mis, n_valid, pred):
+        """Destination word ``w`` (bytes ``4w - mis ..`` of the staged row) of a segment whose
+        first byte sits ``mis`` bytes past the 4-byte aligned address ``aligned``."""
+        lo = ld_shared_b32(row + cutlass.max(w - 1, 0) * 4)
+        hi = ld_shared_b32(row + w * 4)
+        d = funnel_shift_right(lo, hi, 32 - 8 * mis)
+        i0 = 4 * w - mis
+        full = Int32(i0 >= 0) & Int32(i0 + 4 <= n_valid)
+        addr = aligned + 4 * w
+        st_global(addr, [d], pred & full)
+        part = pred & (1 - full)
+        for b in cutlass.range_constexpr(4):
+            st_global_u8(addr + b, (d >> (8 * b)) & 0xFF,
+                         part & Int32(i0 + b >= 0) & Int32(i0 + b < n_valid))
+
+    @cute.jit
+    def col_row_start(self, k, tok_begin, t, t_first, g, m):
+        """Byte offset of the tile's first token in output row ``k`` (a feature)."""
+        c = self.cfg
+        if const_expr(c.col_layout == "experts"):
+            n = c.group_rows
+            return Int64(g) * (c.k * n) + Int64(k) * n + (t - t_first) * TILE_TOKENS
+        return Int64(k) * m + tok_begin
+
+
+# ---------------------------------------------------------------------------------------------
+# Public kernel classes (one per kernel; all share TileQuantizer's device code)
+# ---------------------------------------------------------------------------------------------
+
+
+class RowwiseQuantizer(TileQuantizer):
+    """``x (M, K)`` -> ``(M, K)`` e4m3 + packed scales (optionally row-grouped by ``offs``)."""
+
+    def __init__(self, config: QuantConfig):
+        assert config.rows and not config.cols
+        super().__init__(config)
+
+
+class ColwiseQuantizer(TileQuantizer):
+    """``x (M, K)`` -> ``x.T (K, M)`` e4m3, blocks along M (restarting per ``offs`` group)."""
+
+    def __init__(self, config: QuantConfig):
+        assert config.cols and not config.rows
+        super().__init__(config)
+
+
+class DualQuantizer(TileQuantizer):
+    """One read of ``x``: both the rowwise and the columnwise outputs."""
+
+    def __init__(self, config: QuantConfig):
+        assert config.cols and config.rows
+        super().__init__(config)
+
+
+class WeightQuantizer(TileQuantizer):
+    """Expert weights ``(E, N, K)``: axis K = rows of ``(E*N, K)`` in groups of N; axis N =
+    columns, each expert's ``(K, N)`` contiguous; optional 32x32 blocks."""
+
+    def __init__(self, config: QuantConfig):
+        assert config.grouping == "uniform"
+        super().__init__(config)
+
+
+KERNEL_CLASSES = {
+    "quantize_rowwise": RowwiseQuantizer,
+    "quantize_colwise": ColwiseQuantizer,
+    "quantize_dual": DualQuantizer,
+    "quantize_weights": WeightQuantizer,
+}
+
+_cache = CompileCache()
+
+
+def _gmem_ptr(dtype, addr: int):
+    return make_ptr(dtype, addr, AddressSpace.gmem, assumed_align=16)
+
+
+def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None):
+    """Compile (cached per op, config and arch) and return the callable; M stays symbolic."""
+    arch = arch or target_arch()
+
+    def build():
+        kern = KERNEL_CLASSES[op](config)
+        why = kern.can_implement()
+        if why:
+            raise ValueError(f"moe_mxfp8 {op}: {why}")
+        in_t = TORCH_TO_CUTLASS[TORCH_DTYPES[config.dtype]]
+        f8, u8, i32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32
+        args = [_gmem_ptr(t, 0) for t in (in_t, f8, u8, f8, u8, i32, i32)]
+        stream = current_stream() if torch.cuda.is_available() else cute.runtime.make_fake_stream()
+        return cute.compile(kern, *args, Int32(1), Int32(1), Int32(1), Int32(1), stream)
+
+    return _cache.get((op, config, arch), build)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points (the signatures moe_mxfp8.quantize calls through kernels.lookup)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtype_name(x: torch.Tensor) -> str:
+    for name, dt in TORCH_DTYPES.items():
+        if x.dtype == dt:
+            return name
+    raise TypeError(f"moe_mxfp8 quantizer kernels take bf16/fp16/fp32 input, got {x.dtype}")
+
+
+def _check_input(x: torch.Tensor, ndim: int) -> None:
+    if x.device.type != "cuda" or not x.is_contiguous() or x.dim() != ndim:
+        raise ValueError("quantizer kernels need a contiguous CUDA tensor of the right rank")
+    if x.numel() >= 2**31:
+        raise ValueError("quantizer kernels index with int32 element counts (< 2^31 elements)")
+    if x.data_ptr() % VEC_BYTES:
+        raise ValueError("quantizer kernels need a 16-byte aligned input")
+
+
+def _group_tables(offs: torch.Tensor | None, m: int):
+    """(number of groups, int32 cumulative tile ends on the device, search steps, tiles bound).
+
+    Only device ops on ``offs``: nothing reads its values on the host.
+    """
+    if offs is None:
+        return 1, None, 0, L.ceil_div(m, L.TILE_ROWS)
+    o = offs.to(torch.int32)
+    sizes = torch.diff(o, prepend=o.new_zeros(1))
+    tile_ends = torch.cumsum((sizes + (L.TILE_ROWS - 1)) // L.TILE_ROWS, 0, dtype=torch.int32)
+    g = offs.numel()
+    return g, tile_ends, g.bit_length(), L.grouped_row_tiles_bound(m, g)
+
+
+def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, steps,
+            n_vtiles):
+    if n_vtiles == 0:
+        return
+    fn = compile_quantizer(op, config)
+    dummy = x.data_ptr()
+
+    def p(t, dt):
+        return _gmem_ptr(dt, t.data_ptr() if t is not None else dummy)
+
+    in_t = TORCH_TO_CUTLASS[x.dtype]
+    f8, u8, i32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32
+    fn(p(x, in_t), p(q_row, f8), p(s_row, u8), p(q_col, f8), p(s_col, u8), p(offs, i32),
+       p(tile_ends, i32), Int32(m), Int32(n_groups), Int32(steps), Int32(n_vtiles),
+       current_stream())
+
+
+def _alloc_outputs(x, offs, rows: bool, cols: bool, out=None):
+    """Row data/scales and col data/scales (``out`` = a dict of preallocated buffers, tests)."""
+    m, k = x.shape
+    g = 1 if offs is None else offs.numel()
+    nb = k // L.BLOCK_SIZE
+    want = {}
+    if rows:
+        want["q_row"] = ((m, k), torch.float8_e4m3fn)
+        nbytes = (L.packed_scale_bytes(m, nb) if offs is None
+                  else L.grouped_rows_scale_bytes(m, nb, g))
+        want["s_row"] = ((nbytes,), torch.uint8)
+    if cols:
+        want["q_col"] = ((k, m), torch.float8_e4m3fn)
+        nbytes = (L.packed_scale_bytes(k, L.ceil_div(m, L.BLOCK_SIZE)) if offs is None
+                  else L.grouped_k_scale_bytes(k, m, g))
+        want["s_col"] = ((nbytes,), torch.uint8)
+    res = {}
+    for name, (shape, dt) in want.items():
+        t = None if out is None else out.get(name)
+        if t is None:
+            t = torch.empty(shape, dtype=dt, device=x.device)
+        elif tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
+            raise ValueError(f"out[{name!r}] must be a contiguous {dt} tensor of shape {shape}")
+        res[name] = t
+    return res
+
+
+def _activation_quant(op, x, rounding, offs, rows, cols, out):
+    _check_input(x, 2)
+    m, k = x.shape
+    n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m)
+    bufs = _alloc_outputs(x, offs, rows, cols, out)
+    config = QuantConfig(
+        dtype=_dtype_name(x), rounding=rounding, k=k, rows=rows, cols=cols,
+        grouping="offs" if offs is not None else "none",
+        col_aligned=cols and offs is None and m % VEC_BYTES == 0,
+    )
+    _launch(op, config, x, bufs.get("q_row"), bufs.get("s_row"), bufs.get("q_col"),
+            bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles)
+    res = []
+    if rows:
+        res.append(MXFP8Tensor(bufs["q_row"], bufs["s_row"], "packed", offs,
+                               "rows" if offs is not None else None))
+    if cols:
+        res.append(MXFP8Tensor(bufs["q_col"], bufs["s_col"], "packed", offs,
+                               "k" if offs is not None else None))
+    return res
+
+
+def quantize_rowwise(x: torch.Tensor, *, rounding: str = "rceil",
+                     offs: torch.Tensor | None = None, out: dict | None = None) -> MXFP8Tensor:
+    """``x (M, K)`` -> MXFP8 ``(M, K)``, packed scales (row groups from device ``offs``)."""
+    return _activation_quant("quantize_rowwise", x, rounding, offs, True, False, out)[0]
+
+
+def quantize_colwise(x: torch.Tensor, *, rounding: str = "rceil",
+                     offs: torch.Tensor | None = None, out: dict | None = None) -> MXFP8Tensor:
+    """``x (M, K)`` -> MXFP8 of ``x.T`` ``(K, M)``; with ``offs``, per-group blocks ("k")."""
+    return _activation_quant("quantize_colwise", x, rounding, offs, False, True, out)[0]
+
+
+def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
+                  offs: torch.Tensor | None = None, out: dict | None = None):
+    """One read of ``x``: (rowwise ``(M, K)``, columnwise ``(K, M)``)."""
+    row, col = _activation_quant("quantize_dual", x, rounding, offs, True, True, out)
+    return row, col
+
+
+def quantize_weights(w: torch.Tensor, *, axis: str = "K", rounding: str = "rceil",
+                     block_rows: int = 1, out: dict | None = None) -> MXFP8Tensor:
+    """Expert weights ``(E, N, K)`` -> MXFP8 ``(E, N, K)`` (axis K) or ``(E, K, N)`` (axis N)."""
+    _check_input(w, 3)
+    e, n, k = w.shape
+    rows = axis == "K"
+    tiles_per_expert = L.ceil_div(n, L.TILE_ROWS)
+    if rows:
+        shape, nbytes = (e, n, k), e * L.expert_scale_stride(n, k // L.BLOCK_SIZE)
+    else:
+        shape, nbytes = (e, k, n), e * L.expert_scale_stride(k, n // L.BLOCK_SIZE)
+    q = None if out is None else out.get("q")
+    s = None if out is None else out.get("s")
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=w.device) if q is None else q
+    s = torch.empty(nbytes, dtype=torch.uint8, device=w.device) if s is None else s
+    if tuple(q.shape) != shape or s.numel() != nbytes:
+        raise ValueError(f"out buffers must be {shape} e4m3 and {nbytes} uint8")
+    config = QuantConfig(
+        dtype=_dtype_name(w), rounding=rounding, k=k, rows=rows, cols=not rows,
+        grouping="uniform", group_rows=n, col_layout="experts", block_rows=block_rows,
+        col_aligned=n % VEC_BYTES == 0,
+    )
+    x2 = w.view(e * n, k)
+    _launch("quantize_weights", config, x2, q if rows else None, s if rows else None,
+            None if rows else q, None if rows else s, None, None, e * n, e, 0,
+            e * tiles_per_expert)
+    return MXFP8Tensor(q, s, "packed", None, "experts", block_rows)
