@@ -44,7 +44,9 @@ _register_source_kernels()
 
 from . import layout, reference  # noqa: E402
 from .backend import resolve_backend  # noqa: E402
+from .moe import MXFP8MoE  # noqa: E402
 from .mx_tensor import MXFP8Tensor  # noqa: E402
+from .ops import grouped_mm  # noqa: E402
 from .quantize import (  # noqa: E402
     quantize_colwise,
     quantize_dual,
@@ -53,7 +55,9 @@ from .quantize import (  # noqa: E402
 )
 
 __all__ = [
+    "MXFP8MoE",
     "MXFP8Tensor",
+    "grouped_mm",
     "layout",
     "quantize_colwise",
     "quantize_dual",

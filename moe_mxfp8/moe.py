@@ -1,0 +1,280 @@
+"""`MXFP8MoE`: a drop-in Mixture-of-Experts feed-forward layer whose expert GEMMs run in MXFP8.
+
+``precision="bf16"`` is its BF16 twin: the same parameters, names and ``state_dict``, with the
+expert GEMMs on ``torch._grouped_mm`` (the baseline). A checkpoint of one loads into the other.
+
+Shapes (``T`` tokens = product of the leading dims of ``x``, ``E`` experts, ``k = top_k``,
+``D = dim``, ``H = hidden_dim``)::
+
+    x (..., D) -> flatten (T, D)
+    router      logits = x @ router.weight^T                (T, E)  fp32
+                scores = softmax | sigmoid(logits)           (T, E)
+                top-k  -> weights (T, k), expert ids (T, k)  (optionally renormalised to sum 1)
+    permute     the T*k (token, slot) pairs sorted by expert id (stable argsort);
+                offs = cumsum(tokens per expert) int32 (E,), on device, no host sync
+    experts     h = grouped_mm(x_sorted, w_gate_up^T)       (T*k, 2H)  gate | up
+                a = silu(gate) * up                          (T*k, H)
+                y = grouped_mm(a, w_down^T)                  (T*k, D)
+    combine     un-permute (scatter back to (T, k, D)), weighted sum over k  -> (T, D) -> (..., D)
+
+The auxiliary load-balancing loss (Switch / GShard) of the last forward is ``module.aux_loss``::
+
+    aux_loss = aux_loss_coef * E * sum_e f_e * P_e
+
+with ``f_e`` the fraction of the ``T*k`` routed (token, slot) pairs that go to expert ``e`` (not
+differentiable) and ``P_e`` the mean over tokens of the router probability of ``e`` (softmax
+scores; for sigmoid scores, the scores normalised to sum 1 per token). Perfect balance gives
+``aux_loss_coef`` (the sum is 1). It is a tensor in the autograd graph: add it to the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, rearrange
+from torch import nn
+
+from . import layout as L
+from .ops import WGRAD_MODES, grouped_mm
+
+PRECISIONS = ("mxfp8", "bf16")
+SCORE_FUNCS = ("softmax", "sigmoid")
+PARAM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+INPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+COMPUTE_DTYPE = torch.bfloat16  # expert GEMMs and activations run in BF16 (MXFP8 inside GEMMs)
+TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 (sigmoid)
+
+
+class MXFP8MoE(nn.Module):
+    """Top-k routed SwiGLU Mixture-of-Experts feed-forward layer, ``x (..., dim) -> (..., dim)``.
+
+    Args:
+        dim: model width ``D`` (input and output features). Multiple of 32 for ``"mxfp8"``.
+        hidden_dim: expert hidden width ``H``. Multiple of 32 for ``"mxfp8"``.
+        num_experts: ``E``.
+        top_k: experts per token, ``1 <= top_k <= num_experts``.
+        precision: ``"mxfp8"`` (expert GEMMs in MXFP8, `moe_mxfp8.grouped_mm`) or ``"bf16"``
+            (``torch._grouped_mm``, the BF16 twin).
+        backend: MXFP8 backend (``"auto"``, ``"reference"``, ``"sm90"``, ``"sm100"``); ignored
+            for ``"bf16"``.
+        score_func: ``"softmax"`` or ``"sigmoid"`` router scores.
+        renormalize: divide the top-k scores of each token by their sum (routing weights then
+            sum to 1). Note: with softmax and ``top_k=1`` this makes every weight 1, so the
+            router learns only through ``aux_loss``.
+        aux_loss_coef: scale of the load-balancing loss stored in ``self.aux_loss``.
+        wgrad: ``"mxfp8"`` or ``"bf16"`` weight gradients of the expert GEMMs (mxfp8 only).
+        save_colwise: forward saves the FP8 columnwise copy of the expert GEMM inputs for
+            wgrad instead of re-quantizing them in backward (see `moe_mxfp8.grouped_mm`).
+        device, dtype: of the parameters. ``dtype`` may be bfloat16 (default), float32 (e.g.
+            master weights; cast to BF16 for the expert GEMMs in forward) or float16.
+
+    Parameters (identical for both precisions; ``state_dict`` keys in brackets):
+        ``router.weight`` ``(E, D)`` [``router.weight``]: an ``nn.Linear`` without bias, stored in
+            ``dtype``; the router logits are computed in float32 from it.
+        ``w_gate_up`` ``(E, 2H, D)``: gate rows ``[0, H)`` and up rows ``[H, 2H)`` of each expert,
+            stored ``(E, N, K)`` so the forward uses ``w_gate_up.transpose(-2, -1)``.
+        ``w_down`` ``(E, D, H)``.
+
+    Attributes set by each forward:
+        ``aux_loss``: scalar float32 tensor (in the graph), ``None`` before the first forward.
+        ``tokens_per_expert``: ``(E,)`` int64, detached (routed (token, slot) pairs per expert).
+
+    Input ``x (..., D)`` in bfloat16, float16 or float32; the output has x's shape and dtype.
+    Experts compute in BF16 (MXFP8 inside the GEMMs), the router in float32.
+    """
+
+    check_finite: bool = True  # check the router scores for NaN/Inf (no host sync on GPU)
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        precision: str = "mxfp8",
+        backend: str = "auto",
+        score_func: str = "softmax",
+        renormalize: bool = True,
+        aux_loss_coef: float = 0.01,
+        wgrad: str = "mxfp8",
+        save_colwise: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MXFP8MoE: {name} must be a positive int, got {v!r}")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"MXFP8MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
+            )
+        if precision not in PRECISIONS:
+            raise ValueError(f"MXFP8MoE: precision must be one of {PRECISIONS}, got {precision!r}")
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(
+                f"MXFP8MoE: score_func must be one of {SCORE_FUNCS}, got {score_func!r}"
+            )
+        if wgrad not in WGRAD_MODES:
+            raise ValueError(f"MXFP8MoE: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
+        if dtype not in PARAM_DTYPES:
+            raise TypeError(f"MXFP8MoE: dtype must be one of {PARAM_DTYPES}, got {dtype}")
+        if precision == "mxfp8":
+            for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
+                if v % L.BLOCK_SIZE:
+                    raise ValueError(
+                        f"MXFP8MoE: {name} must be a multiple of {L.BLOCK_SIZE} for "
+                        f"precision='mxfp8' (MXFP8 blocks of 32 along every reduced dim), got {v}"
+                    )
+        self.dim = dim
+        self.hidden_dim = hidden_dim
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.precision = precision
+        self.backend = backend
+        self.score_func = score_func
+        self.renormalize = bool(renormalize)
+        self.aux_loss_coef = float(aux_loss_coef)
+        self.wgrad = wgrad
+        self.save_colwise = bool(save_colwise)
+
+        factory = {"device": device, "dtype": dtype}
+        self.router = nn.Linear(dim, num_experts, bias=False, **factory)
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **factory))
+        self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal init with std ``fan_in^-0.5``: ``D^-0.5`` for the router and ``w_gate_up``,
+        ``H^-0.5`` for ``w_down`` (unit-variance inputs give unit-variance logits/activations)."""
+        with torch.no_grad():
+            nn.init.normal_(self.router.weight, std=self.dim**-0.5)
+            nn.init.normal_(self.w_gate_up, std=self.dim**-0.5)
+            nn.init.normal_(self.w_down, std=self.hidden_dim**-0.5)
+
+    def extra_repr(self) -> str:
+        s = (
+            f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
+            f"top_k={self.top_k}, precision={self.precision!r}, score_func={self.score_func!r}, "
+            f"renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}"
+        )
+        if self.precision == "mxfp8":
+            s += f", backend={self.backend!r}, wgrad={self.wgrad!r}"
+            if self.save_colwise:
+                s += ", save_colwise=True"
+        return s
+
+    # -----------------------------------------------------------------------------------------
+    # checks
+    # -----------------------------------------------------------------------------------------
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MXFP8MoE: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in INPUT_DTYPES:
+            raise TypeError(f"MXFP8MoE: x must be one of {INPUT_DTYPES}, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != self.dim:
+            raise ValueError(
+                f"MXFP8MoE: x must have shape (..., dim={self.dim}), got {tuple(x.shape)}"
+            )
+        if x.device != self.w_gate_up.device:
+            raise ValueError(
+                f"MXFP8MoE: x is on {x.device} but the parameters are on {self.w_gate_up.device}"
+            )
+
+    def _check_finite(self, logits: torch.Tensor) -> None:
+        """Non-finite router logits (NaN/Inf in x or router.weight) are an error.
+
+        On the CPU in eager mode the check reads one bool on the host (a clear ValueError); on
+        the GPU and under torch.compile it is ``torch._assert_async`` (no host sync).
+        """
+        if not self.check_finite:
+            return
+        finite = torch.isfinite(logits).all()
+        if logits.device.type == "cpu" and not torch.compiler.is_compiling():
+            if not bool(finite):
+                raise ValueError(
+                    "MXFP8MoE: router scores are not finite (NaN or Inf in the input or in "
+                    "router.weight)"
+                )
+        else:
+            torch._assert_async(finite, "MXFP8MoE: router scores are not finite (NaN/Inf)")
+
+    # -----------------------------------------------------------------------------------------
+    # forward pieces
+    # -----------------------------------------------------------------------------------------
+
+    def _route(self, x: torch.Tensor):
+        """``x (T, D)`` -> weights ``(T, k)`` fp32, expert ids ``(T, k)`` int64, counts ``(E,)``
+        int64 and the auxiliary loss (fp32 scalar)."""
+        t = x.shape[0]
+        dev = x.device.type
+        # The router runs in float32 even under autocast (which would make F.linear BF16).
+        no_autocast = (
+            torch.autocast(dev, enabled=False)
+            if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
+            else contextlib.nullcontext()
+        )
+        with no_autocast:
+            logits = F.linear(x.float(), self.router.weight.float())  # (T, E) fp32
+        self._check_finite(logits)
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(TINY)
+        weights, expert_ids = scores.topk(self.top_k, dim=-1)  # (T, k)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(TINY)
+        # Tokens per expert by scatter_add: bincount reads its max on the host (a sync on CUDA)
+        # and has a data-dependent shape; this has neither.
+        flat_ids = rearrange(expert_ids, "t k -> (t k)")
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts = counts.scatter_add(0, flat_ids, torch.ones_like(flat_ids))
+        # Load balance: E * sum_e f_e * P_e, with f_e = counts_e / (T k) (no gradient).
+        frac = counts.to(torch.float32) / max(t * self.top_k, 1)
+        mean_prob = probs.mean(dim=0) if t > 0 else probs.sum(dim=0)
+        aux = self.aux_loss_coef * self.num_experts * (frac * mean_prob).sum()
+        return weights, expert_ids, counts, aux
+
+    def _expert_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """``x (M, K)`` bf16 sorted by expert, ``w (E, N, K)`` -> ``(M, N)`` bf16."""
+        w_t = w.to(COMPUTE_DTYPE).transpose(-2, -1)  # (E, K, N) view of the (E, N, K) storage
+        if self.precision == "bf16":
+            return torch._grouped_mm(x, w_t, offs=offs)
+        return grouped_mm(
+            x, w_t, offs, backend=self.backend, wgrad=self.wgrad, save_colwise=self.save_colwise
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., dim)`` -> ``(..., dim)`` (same dtype); sets ``self.aux_loss``."""
+        self._check_input(x)
+        k = self.top_k
+        x_flat = rearrange(x, "... d -> (...) d")  # (T, D)
+        t = x_flat.shape[0]
+
+        weights, expert_ids, counts, aux = self._route(x_flat)
+        self.aux_loss = aux
+        self.tokens_per_expert = counts.detach()
+
+        # Sort the T*k (token, slot) pairs by expert; stable, so tokens keep their order.
+        order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
+        offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E,) cumulative group ends
+        x_sorted = x_flat.to(COMPUTE_DTYPE)[order // k]  # (T*k, D)
+
+        # SwiGLU experts: gate and up in one grouped GEMM (N = 2H), then down.
+        h = self._expert_mm(x_sorted, self.w_gate_up, offs)  # (T*k, 2H)
+        gate, up = rearrange(h, "m (two h) -> two m h", two=2)
+        y_sorted = self._expert_mm(F.silu(gate) * up, self.w_down, offs)  # (T*k, D)
+
+        # Un-permute: row i of y_sorted belongs to (token, slot) order[i].
+        y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+        y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
+        out = einsum(y_pairs, weights.to(COMPUTE_DTYPE), "t k d, t k -> t d")  # fp32 accumulate
+        return out.to(x.dtype).reshape(x.shape)

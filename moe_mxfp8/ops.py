@@ -1,0 +1,268 @@
+"""Differentiable MXFP8 grouped GEMM: `grouped_mm`, the MXFP8 counterpart of ``torch._grouped_mm``.
+
+``y = grouped_mm(x, w_t, offs)`` computes, for each expert ``g`` and its rows
+``offs[g-1] <= i < offs[g]`` of ``x``, ``y[i] = x[i] @ w_t[g]``: ``(M, K) x (E, K, N) -> (M, N)``.
+The three GEMMs of training run in MXFP8 with operands quantized as the contract's table
+"Which tensor is quantized along which axis" says (all GEMMs are "TN")::
+
+    fprop  Y   = X  . W^T   X  rowwise along K (row groups)   W (E, N, K) along K
+    dgrad  dX  = dY . W     dY rowwise along N (row groups)   W along N -> data (E, K, N)
+    wgrad  dW_g = dY_g^T . X_g   dY^T and X^T columnwise along the tokens of each group
+
+``dY`` is quantized once for both orientations (`quantize_dual`). ``X``'s columnwise copy is
+either re-quantized from the saved BF16 ``x`` in backward (default, ``save_colwise=False``) or
+quantized together with the rowwise copy in forward and saved in FP8 (``save_colwise=True``,
+which then keeps no BF16 ``x`` alive). ``wgrad="bf16"`` computes the weight gradient in BF16
+with ``torch._grouped_mm`` instead.
+
+The layer is two ``torch.library`` custom ops in the ``moe_mxfp8`` namespace --
+``moe_mxfp8::grouped_mm_fwd`` and ``moe_mxfp8::grouped_mm_bwd`` -- with fake (meta)
+implementations and the autograd formula registered on the forward op, so ``torch.compile``
+traces through the layer without graph breaks. `MXFP8Tensor` is a dataclass, so the ops take and
+return plain tensors (FP8 data, uint8 scales, ``offs``) and rebuild `MXFP8Tensor` inside.
+
+Nothing here reads a device tensor on the host: the values of ``offs`` are checked only when
+``offs`` lives on the CPU (`checks.check_offs(sync=...)`), so the GPU path has no host syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import checks as C
+from . import layout as L
+from .gemm import grouped_mm_k, grouped_mm_m
+from .mx_tensor import MXFP8Tensor
+from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
+
+WGRAD_MODES = ("mxfp8", "bf16")
+COMPUTE_DTYPE = torch.bfloat16  # the dtype of x, w_t, the output and both gradients
+FP8 = torch.float8_e4m3fn
+
+
+def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A 0-element placeholder (custom ops return tensors, never None)."""
+    return like.new_empty(0, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (host-side metadata only; offs values only when offs is on the CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_args(x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str) -> None:
+    for name, t in (("x", x), ("w_t", w_t), ("offs", offs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"grouped_mm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t, nd in (("x", x, 2), ("w_t", w_t, 3)):
+        if t.dtype != COMPUTE_DTYPE:
+            raise TypeError(
+                f"grouped_mm: {name} must be bfloat16 (MXFP8 training computes in BF16), got "
+                f"{t.dtype}; cast with .to(torch.bfloat16)"
+            )
+        if t.dim() != nd:
+            raise ValueError(f"grouped_mm: {name} must be {nd}D, got shape {tuple(t.shape)}")
+    e, k, n = w_t.shape
+    if x.shape[1] != k:
+        raise ValueError(
+            f"grouped_mm: x is (M, K) = {tuple(x.shape)} but w_t is (E, K, N) = "
+            f"{tuple(w_t.shape)}; the K dims must match"
+        )
+    C.check_multiple_of("grouped_mm: x/w_t", k, L.BLOCK_SIZE, "K (reduced dim of fprop)")
+    C.check_multiple_of("grouped_mm: w_t", n, L.BLOCK_SIZE, "N (reduced dim of dgrad)")
+    C.check_same_device(x=x, w_t=w_t, offs=offs)
+    C.check_offs(offs, x.shape[0], sync=False)  # dtype and rank
+    if offs.numel() != e:
+        raise ValueError(
+            f"grouped_mm: offs has {offs.numel()} groups but w_t has {e} experts (dim 0)"
+        )
+    # Values are read on the host only for CPU offs outside torch.compile tracing.
+    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+        C.check_offs(offs, x.shape[0], sync=True)
+    if wgrad not in WGRAD_MODES:
+        raise ValueError(f"grouped_mm: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
+    if not isinstance(backend, str):
+        raise TypeError(f"grouped_mm: backend must be a string, got {type(backend).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe_mxfp8::grouped_mm_fwd", mutates_args=())
+def _grouped_mm_fwd(
+    x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str, save_colwise: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fprop. Returns ``(y (M, N) bf16, xt_data (K, M) uint8, xt_scale uint8)``.
+
+    ``xt_*`` is X's columnwise (wgrad) copy when ``save_colwise`` and empty placeholders otherwise;
+    its FP8 bytes travel as uint8 so that autograd treats them as non-differentiable.
+    ``wgrad`` is not used here; it rides along so that the autograd formula sees it.
+    """
+    x = x.contiguous()
+    if save_colwise:
+        xq, xtq = quantize_dual(x, offs=offs, backend=backend)
+        xt_data, xt_scale = xtq.data.view(torch.uint8), xtq.scale
+    else:
+        xq = quantize_rowwise(x, offs=offs, backend=backend)
+        xt_data, xt_scale = _empty(x, torch.uint8), _empty(x, torch.uint8)
+    # w_t is usually the transposed view of (E, N, K) storage: then this is a free view.
+    wq = quantize_weights(w_t.transpose(-2, -1).contiguous(), axis="K", backend=backend)
+    y = grouped_mm_m(xq, wq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)
+    return y, xt_data, xt_scale
+
+
+@_grouped_mm_fwd.register_fake
+def _grouped_mm_fwd_fake(x, w_t, offs, backend, wgrad, save_colwise):
+    m, k = x.shape
+    e, _, n = w_t.shape
+    y = x.new_empty(m, n, dtype=COMPUTE_DTYPE)
+    if not save_colwise:
+        return y, _empty(x, torch.uint8), _empty(x, torch.uint8)
+    # The grouped-K scale buffer is sized from static bounds (layout.grouped_k_scale_bytes).
+    nbytes = L.grouped_k_scale_bytes(k, m, e)
+    return y, x.new_empty(k, m, dtype=torch.uint8), x.new_empty(nbytes, dtype=torch.uint8)
+
+
+@torch.library.custom_op("moe_mxfp8::grouped_mm_bwd", mutates_args=())
+def _grouped_mm_bwd(
+    grad_out: Tensor,
+    x: Tensor | None,
+    w_t: Tensor,
+    offs: Tensor,
+    xt_data: Tensor | None,
+    xt_scale: Tensor | None,
+    backend: str,
+    wgrad: str,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[Tensor, Tensor]:
+    """dgrad and wgrad. Returns ``(dx (M, K), dw (E, N, K))``; an unneeded one is empty.
+
+    ``dw`` is the gradient of ``w = w_t.transpose(-2, -1)`` (the ``(E, N, K)`` storage of the
+    usual caller); the autograd formula hands its transposed view to ``w_t``.
+    """
+    dy = grad_out.contiguous()
+    mx_wgrad = need_dw and wgrad == "mxfp8"
+    dyq = dytq = None
+    if need_dx and mx_wgrad:
+        dyq, dytq = quantize_dual(dy, offs=offs, backend=backend)  # dY read once
+    elif need_dx:
+        dyq = quantize_rowwise(dy, offs=offs, backend=backend)
+    elif mx_wgrad:
+        dytq = quantize_colwise(dy, offs=offs, backend=backend)
+
+    dx = _empty(dy, COMPUTE_DTYPE)
+    if need_dx:
+        # W along N: data (E, K, N), blocks of 32 along N (dgrad reduces over N).
+        wq = quantize_weights(w_t.transpose(-2, -1).contiguous(), axis="N", backend=backend)
+        dx = grouped_mm_m(dyq, wq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)
+
+    dw = _empty(dy, COMPUTE_DTYPE)
+    if need_dw:
+        if wgrad == "bf16":
+            # dW_g = dY_g^T X_g in BF16 (fp32 accumulation), torch._grouped_mm's own wgrad.
+            dw = torch._grouped_mm(dy.t(), x.contiguous(), offs=offs)
+        else:
+            if xt_data is not None:
+                xtq = MXFP8Tensor(xt_data.view(FP8), xt_scale, "packed", offs, "k")
+            else:
+                xtq = quantize_colwise(x.contiguous(), offs=offs, backend=backend)
+            dw = grouped_mm_k(dytq, xtq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)
+    return dx, dw
+
+
+@_grouped_mm_bwd.register_fake
+def _grouped_mm_bwd_fake(
+    grad_out, x, w_t, offs, xt_data, xt_scale, backend, wgrad, need_dx, need_dw
+):
+    m, n = grad_out.shape
+    e, k, _ = w_t.shape
+    dx = grad_out.new_empty(m, k) if need_dx else _empty(grad_out, COMPUTE_DTYPE)
+    dw = grad_out.new_empty(e, n, k) if need_dw else _empty(grad_out, COMPUTE_DTYPE)
+    return dx, dw
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w_t, offs, backend, wgrad, save_colwise = inputs
+    _, xt_data, xt_scale = output
+    ctx.backend = backend
+    ctx.wgrad = wgrad
+    ctx.use_saved_colwise = save_colwise and wgrad == "mxfp8"
+    # Keep the BF16 x only if backward needs it (wgrad of a w_t that needs grad, no FP8 copy).
+    keep_x = w_t.requires_grad and not ctx.use_saved_colwise
+    ctx.save_for_backward(
+        x if keep_x else None,
+        w_t,
+        offs,
+        xt_data if ctx.use_saved_colwise else None,
+        xt_scale if ctx.use_saved_colwise else None,
+    )
+
+
+def _backward(ctx, grad_y, _grad_xt_data, _grad_xt_scale):
+    x, w_t, offs, xt_data, xt_scale = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_dx or need_dw):
+        return None, None, None, None, None, None
+    dx, dw = torch.ops.moe_mxfp8.grouped_mm_bwd(
+        grad_y, x, w_t, offs, xt_data, xt_scale, ctx.backend, ctx.wgrad, need_dx, need_dw
+    )
+    return (
+        dx if need_dx else None,
+        dw.transpose(-2, -1) if need_dw else None,  # (E, N, K) -> w_t's shape (E, K, N)
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd(
+    "moe_mxfp8::grouped_mm_fwd", _backward, setup_context=_setup_context
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def grouped_mm(
+    x: Tensor,
+    w_t: Tensor,
+    offs: Tensor,
+    *,
+    backend: str = "auto",
+    wgrad: str = "mxfp8",
+    save_colwise: bool = False,
+) -> Tensor:
+    """MXFP8 grouped GEMM with autograd; the counterpart of ``torch._grouped_mm(x, w_t, offs)``.
+
+    Args:
+        x: ``(M, K)`` bfloat16 tokens sorted by expert (any strides; copied if not contiguous).
+        w_t: ``(E, K, N)`` bfloat16 expert weights, typically ``w.transpose(-2, -1)`` of an
+            ``(E, N, K)`` parameter ``w`` (then no copy is made). K and N multiples of 32.
+        offs: ``(E,)`` int32 cumulative group ends on x's device, ``offs[-1] == M``; groups may be
+            empty. Row ``i`` of group ``g`` (``offs[g-1] <= i < offs[g]``) uses expert ``g``.
+        backend: ``"auto"``, ``"reference"``, ``"sm90"`` or ``"sm100"`` (`resolve_backend`).
+        wgrad: ``"mxfp8"`` (weight gradient in MXFP8, default) or ``"bf16"`` (BF16 GEMM).
+        save_colwise: with ``wgrad="mxfp8"``, quantize x's columnwise (wgrad) copy in forward
+            together with the rowwise one and save it in FP8 instead of the BF16 ``x``; the
+            default re-quantizes x in backward. Same bytes either way.
+
+    Returns:
+        ``(M, N)`` bfloat16. Its gradients: ``(M, K)`` for x, ``(E, K, N)`` for w_t (a transposed
+        view of a contiguous ``(E, N, K)`` tensor, i.e. contiguous for the usual ``w``).
+    """
+    _check_args(x, w_t, offs, backend, wgrad)
+    save = (
+        bool(save_colwise)
+        and wgrad == "mxfp8"
+        and torch.is_grad_enabled()
+        and w_t.requires_grad
+    )
+    y, _, _ = torch.ops.moe_mxfp8.grouped_mm_fwd(x, w_t, offs, backend, wgrad, save)
+    return y

@@ -1,0 +1,338 @@
+"""`MXFP8MoE` against its BF16 twin (``precision="bf16"``, ``torch._grouped_mm``), same weights.
+
+The router runs in float32 in both, so both twins route every token identically; the difference
+is the MXFP8 quantization of the expert GEMMs, which a SwiGLU MLP compounds. Measured per stage
+(1024 tokens, D = H = 128, E = 8, k = 2; one E4M3 quantization of Gaussian data is 31.5 dB)::
+
+    forward   h = x W_gu^T 28.5 dB -> a = silu(gate) * up 25.3 dB -> y = a W_down^T 23.6 dB
+    backward  da (dgrad of down) 28.5 dB -> dh (SwiGLU backward on the noisy gate/up) 25.0 dB
+              -> dx (dgrad of gate/up, two more quantized operands) 23.4 dB
+
+So the input gradient lands where the output does (23.2-23.6 dB on every configuration tried).
+The brief asked for 25 dB there, which no MXFP8 dgrad can reach once the gradient entering it is
+at 25.0 dB; the bound below is 22.5 dB (see the report).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_mxfp8 import MXFP8MoE
+
+OUT_MIN_DB = 23.0
+INPUT_GRAD_MIN_DB = 22.5
+PARAM_GRAD_MIN_DB = 21.0
+COMPILE_MIN_DB = 40.0  # inductor (emulating eager's BF16 rounding) vs eager
+BF16 = torch.bfloat16
+PARAM_NAMES = ["router.weight", "w_gate_up", "w_down"]
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
+
+
+@pytest.fixture
+def rng(gen):
+    """Fresh random data every run, module init included: the global RNG (parameter init) gets
+    a seed drawn from `gen` (the data), so that the two streams are not the same numbers."""
+    torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+    return gen
+
+
+def twins(dim, hidden, experts, top_k, device="cpu", **kw):
+    """An MXFP8 module and its BF16 twin holding the same weights."""
+    mx = MXFP8MoE(dim, hidden, experts, top_k, backend=kw.pop("backend", "reference"),
+                  device=device, **kw)
+    bf = MXFP8MoE(dim, hidden, experts, top_k, precision="bf16", device=device, **kw)
+    bf.load_state_dict(mx.state_dict())
+    return mx, bf
+
+
+def fwd_bwd(module, x, dy):
+    """Output, input grad and parameter grads for the loss ``<y, dy> + aux_loss``."""
+    module.zero_grad(set_to_none=True)
+    xa = x.clone().requires_grad_()
+    y = module(xa)
+    ((y.float() * dy.float()).sum() + module.aux_loss).backward()
+    grads = dict(getattr(module, "_orig_mod", module).named_parameters())
+    return y, xa.grad, {n: grads[n].grad for n in PARAM_NAMES}
+
+
+def compare_twins(mx, bf, x, label, seed):
+    dy = torch.randn_like(x)
+    y, dx, pg = fwd_bwd(mx, x, dy)
+    yr, dxr, pgr = fwd_bwd(bf, x, dy)
+    assert torch.equal(mx.tokens_per_expert, bf.tokens_per_expert)  # identical routing
+    torch.testing.assert_close(mx.aux_loss, bf.aux_loss, rtol=0, atol=0)
+    db = {"out": sqnr_db(yr, y), "dx": sqnr_db(dxr, dx)}
+    db.update({n: sqnr_db(pgr[n], pg[n]) for n in PARAM_NAMES})
+    print(f"MXFP8MoE vs BF16 twin [{label}] SQNR dB:", {k: round(v, 2) for k, v in db.items()})
+    assert y.shape == x.shape and y.dtype == x.dtype and dx.shape == x.shape
+    assert db["out"] >= OUT_MIN_DB, (db, seed)
+    assert db["dx"] >= INPUT_GRAD_MIN_DB, (db, seed)
+    for n in PARAM_NAMES:
+        assert db[n] >= PARAM_GRAD_MIN_DB, (n, db, seed)
+    return pg
+
+
+# (dim, hidden, experts, top_k, input shape, options). 1024 tokens: the router gradient's SQNR
+# scatters most (std 0.4-0.5 dB at 1024 tokens, 0.7 dB at 384; min 22.3 dB over 180 runs).
+CONFIGS = [
+    (128, 128, 8, 2, (4, 256), {}),
+    (128, 96, 8, 2, (2, 4, 128), {"score_func": "sigmoid"}),
+    (256, 128, 4, 1, (1024,), {"score_func": "sigmoid", "renormalize": False}),
+    (128, 64, 8, 4, (4, 256), {"renormalize": False, "aux_loss_coef": 0.1}),
+    (128, 128, 6, 2, (1024,), {"wgrad": "bf16"}),
+    (128, 128, 6, 2, (1024,), {"save_colwise": True}),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"E{c[2]}k{c[3]}-{c[4]}-{c[5]}")
+def test_matches_bf16_twin(rng, cfg):
+    dim, hidden, e, k, lead, opts = cfg
+    mx, bf = twins(dim, hidden, e, k, **opts)
+    x = torch.randn(*lead, dim, generator=rng).to(BF16)
+    compare_twins(mx, bf, x, str(cfg), rng.initial_seed())
+
+
+def test_uneven_routing_and_empty_expert(rng):
+    """About 2x the mean load on expert 0, none on expert E-1: zero gradient for the idle one.
+
+    Feature 0 of every token is a constant 2; router row 0 gets +0.5 and row E-1 gets -10 there.
+    """
+    dim, e = 128, 6
+    mx, bf = twins(dim, 128, e, 2)
+    with torch.no_grad():
+        for m in (mx, bf):
+            m.router.weight[0, 0] = 0.5
+            m.router.weight[e - 1, 0] = -10.0
+    x = torch.randn(8, 128, dim, generator=rng)
+    x[..., 0] = 2.0
+    pg = compare_twins(mx, bf, x.to(BF16), "uneven", rng.initial_seed())
+    counts = mx.tokens_per_expert
+    assert counts[e - 1] == 0 and counts[0] > 1.5 * counts.sum() / e, counts
+    assert torch.count_nonzero(pg["w_gate_up"][e - 1]) == 0
+    assert torch.count_nonzero(pg["w_down"][e - 1]) == 0
+
+
+def test_single_token_is_batch_invariant(rng):
+    """A token's output does not depend on the other tokens (row-wise quantization of x and
+    per-token routing), whatever the leading shape; also vs the twin (loosely: one row)."""
+    dim = 256
+    mx, bf = twins(dim, 256, 8, 2)
+    x = torch.randn(5, dim, generator=rng).to(BF16)
+    with torch.no_grad():
+        y_batch = mx(x)
+        for shape in [(dim,), (1, dim), (1, 1, dim)]:
+            y1 = mx(x[2].reshape(shape))
+            assert y1.shape == shape
+            assert sqnr_db(y_batch[2], y1.reshape(-1)) >= 40.0
+        assert sqnr_db(bf(x[2]), mx(x[2])) >= 18.0
+    xa = x[:1].clone().requires_grad_()
+    mx(xa).backward(torch.randn(1, dim, generator=rng).to(BF16))
+    assert xa.grad.shape == (1, dim) and torch.isfinite(xa.grad.float()).all()
+
+
+def test_zero_tokens():
+    mx = MXFP8MoE(64, 64, 4, 2, backend="reference")
+    x = torch.randn(2, 0, 64, dtype=BF16, requires_grad=True)
+    y = mx(x)
+    y.backward(torch.randn_like(y))
+    assert y.shape == x.shape and mx.aux_loss.item() == 0.0
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_loss(rng, score_func):
+    dim, e, k, coef = 64, 8, 2, 0.05
+    mx = MXFP8MoE(dim, 64, e, k, backend="reference", score_func=score_func, aux_loss_coef=coef)
+    assert mx.aux_loss is None
+    x = torch.randn(3, 50, dim, generator=rng).to(BF16)
+    mx(x)
+    aux = mx.aux_loss
+    assert aux.dim() == 0 and aux.dtype == torch.float32 and aux.requires_grad
+    # Recompute: E * sum_e f_e * P_e * coef.
+    logits = x.reshape(-1, dim).float() @ mx.router.weight.float().t()
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    ids = scores.topk(k, dim=-1).indices
+    f = torch.bincount(ids.reshape(-1), minlength=e).float() / ids.numel()
+    p = scores / scores.sum(-1, keepdim=True)
+    expect = coef * e * (f * p.mean(0)).sum()
+    torch.testing.assert_close(aux, expect, rtol=1e-5, atol=1e-7)
+    assert torch.equal(mx.tokens_per_expert, torch.bincount(ids.reshape(-1), minlength=e))
+    # Perfectly uniform scores give exactly coef; the loss reaches only the router.
+    with torch.no_grad():
+        mx.router.weight.zero_()
+    mx(x)
+    torch.testing.assert_close(mx.aux_loss, torch.tensor(coef), rtol=1e-5, atol=0)
+    mx.router.weight.data.normal_(generator=rng)
+    mx(x)
+    mx.aux_loss.backward()
+    assert mx.router.weight.grad.abs().sum() > 0
+    assert mx.w_gate_up.grad is None and mx.w_down.grad is None
+    # A new forward replaces it.
+    old = mx.aux_loss
+    mx(x[:1])
+    assert mx.aux_loss is not old
+
+
+def test_state_dict_and_repr():
+    mx = MXFP8MoE(64, 96, 4, 2, backend="reference")
+    bf = MXFP8MoE(64, 96, 4, 2, precision="bf16")
+    for m in (mx, bf):
+        sd = m.state_dict()
+        assert sorted(sd) == sorted(PARAM_NAMES)
+        assert sd["router.weight"].shape == (4, 64)
+        assert sd["w_gate_up"].shape == (4, 192, 64) and sd["w_down"].shape == (4, 64, 96)
+        assert all(t.dtype == BF16 for t in sd.values())
+    assert "precision='mxfp8'" in repr(mx) and "top_k=2" in repr(mx) and "wgrad=" in repr(mx)
+    assert "precision='bf16'" in repr(bf) and "backend" not in repr(bf)
+
+
+def test_init_std():
+    dim, hidden = 256, 512
+    mx = MXFP8MoE(dim, hidden, 8, 2, backend="reference")
+    for p, std in ((mx.router.weight, dim**-0.5), (mx.w_gate_up, dim**-0.5),
+                   (mx.w_down, hidden**-0.5)):
+        assert abs(p.float().std().item() / std - 1) < 0.05
+        assert abs(p.float().mean().item()) < 5 * std / p.numel() ** 0.5  # 5 sigma
+
+
+@pytest.mark.parametrize("src,dst", [("mxfp8", "mxfp8"), ("mxfp8", "bf16"), ("bf16", "mxfp8")])
+def test_safetensors_roundtrip_and_cross_load(rng, tmp_path, src, dst):
+    kw = {"backend": "reference"}
+    a = MXFP8MoE(128, 64, 4, 2, precision=src, **kw)
+    path = tmp_path / "moe.safetensors"
+    save_file(a.state_dict(), str(path))
+    b = MXFP8MoE(128, 64, 4, 2, precision=dst, **kw)
+    b.load_state_dict(load_file(str(path)))
+    for name, t in a.state_dict().items():
+        u = b.state_dict()[name]
+        assert u.dtype == t.dtype and torch.equal(u.view(torch.int16), t.view(torch.int16))
+    x = torch.randn(64, 128, generator=rng).to(BF16)
+    with torch.no_grad():
+        if src == dst:
+            assert torch.equal(a(x), b(x))
+        else:
+            assert sqnr_db(a(x), b(x)) >= OUT_MIN_DB
+
+
+def test_fp32_params_and_input(rng):
+    """float32 parameters (master weights) and input: BF16 experts, float32 grads and output."""
+    mx, bf = twins(128, 128, 4, 2, dtype=torch.float32)
+    x = torch.randn(1024, 128, generator=rng)
+    pg = compare_twins(mx, bf, x, "fp32 params", rng.initial_seed())
+    assert all(g.dtype == torch.float32 for g in pg.values())
+
+
+def test_compile_matches_eager(rng):
+    """torch.compile(module, fullgraph=True): no graph break inside the layer, same results.
+
+    aot_eager (the traced graph run op by op) is bit-exact. Inductor fuses BF16 pointwise chains
+    in fp32; a value one BF16 ulp away can round to the neighbouring E4M3 code, which makes
+    default-config inductor differ from eager by 30-45 dB (far below the 23.5 dB of the MXFP8
+    quantization itself). With ``emulate_precision_casts`` inductor rounds like eager: the
+    expert weight grads are then bit-exact and the rest within BF16 rounding.
+    """
+    import torch._inductor.config as inductor_config  # imported here: slow, and only needed here
+
+    dim = 64
+    mx = MXFP8MoE(dim, 64, 4, 2, backend="reference")
+    x = torch.randn(2, 24, dim, generator=rng).to(BF16)
+    dy = torch.randn_like(x)
+    y, dx, pg = fwd_bwd(mx, x, dy)
+    aux = mx.aux_loss.detach()
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        with inductor_config.patch(emulate_precision_casts=True):
+            cm = torch.compile(mx, fullgraph=True, backend=backend)
+            yc, dxc, pgc = fwd_bwd(cm, x, dy)
+        torch.testing.assert_close(mx.aux_loss.detach(), aux, rtol=1e-6, atol=0)
+        pairs = [(y, yc), (dx, dxc)] + [(pg[n], pgc[n]) for n in PARAM_NAMES]
+        if backend == "aot_eager":
+            assert all(torch.equal(a, b) for a, b in pairs)
+        else:
+            dbs = [sqnr_db(a, b) for a, b in pairs]
+            print("compiled (inductor) vs eager SQNR dB:", [round(d, 1) for d in dbs])
+            assert min(dbs) >= COMPILE_MIN_DB, dbs
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"top_k": 5}, ValueError, "top_k"),
+        ({"top_k": 0}, ValueError, "top_k"),
+        ({"dim": 48}, ValueError, "multiple of 32"),
+        ({"hidden_dim": 80}, ValueError, "multiple of 32"),
+        ({"precision": "fp8"}, ValueError, "precision"),
+        ({"score_func": "relu"}, ValueError, "score_func"),
+        ({"wgrad": "fp8"}, ValueError, "wgrad"),
+        ({"dtype": torch.float64}, TypeError, "dtype"),
+        ({"num_experts": 0}, ValueError, "num_experts"),
+    ],
+)
+def test_bad_constructor_args(kwargs, exc, match):
+    args = {"dim": 64, "hidden_dim": 64, "num_experts": 4, "top_k": 2, **kwargs}
+    with pytest.raises(exc, match=match):
+        MXFP8MoE(args.pop("dim"), args.pop("hidden_dim"), args.pop("num_experts"),
+                 args.pop("top_k"), **args)
+
+
+def test_bf16_twin_allows_other_dims():
+    MXFP8MoE(48, 80, 4, 2, precision="bf16")  # no MXFP8 block constraint
+
+
+def test_bad_forward_inputs():
+    mx = MXFP8MoE(64, 64, 4, 2, backend="reference")
+    with pytest.raises(ValueError, match="dim=64"):
+        mx(torch.randn(3, 32, dtype=BF16))
+    with pytest.raises(TypeError, match="x must be one of"):
+        mx(torch.randn(3, 64, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x must be one of"):
+        mx(torch.ones(3, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="parameters are on"):
+        mx(torch.randn(3, 64, dtype=BF16, device="meta"))
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(3, 64, dtype=BF16)
+        x[1, 5] = bad
+        with pytest.raises(ValueError, match="not finite"):
+            mx(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (the device machine): the kernels through backend="auto"
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("cfg", CONFIGS[:3] + [(1024, 512, 8, 2, (4, 512), {})],
+                         ids=lambda c: f"E{c[2]}k{c[3]}-{c[4]}")
+def test_gpu_matches_bf16_twin(rng, cfg):
+    dim, hidden, e, k, lead, opts = cfg
+    mx, bf = twins(dim, hidden, e, k, device="cuda", backend="auto", **opts)
+    x = torch.randn(*lead, dim, generator=rng).to("cuda", BF16)
+    compare_twins(mx, bf, x, "GPU " + str(cfg), rng.initial_seed())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_gpu_no_host_sync(rng, precision):
+    mx = MXFP8MoE(1024, 512, 8, 2, precision=precision, device="cuda")
+    x = torch.randn(4, 512, 1024, generator=rng).to("cuda", BF16).requires_grad_()
+    dy = torch.randn_like(x)
+    for sync_mode in ("default", "error"):  # warm-up (kernel compilation), then checked
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(sync_mode)
+        try:
+            y = mx(x)
+            (y * dy).sum().add(mx.aux_loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
