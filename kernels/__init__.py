@@ -27,6 +27,14 @@ def lookup(op: str, backend: str):
     mod = importlib.import_module(f"{__name__}.{mod_name}")
     return getattr(mod, fn_name)
 
+# Hopper grouped MXFP8 GEMMs (issue 7).
+KERNEL_OPS.setdefault("grouped_mm_m", {})["sm90"] = "grouped_gemm_sm90:grouped_mm_m"
+KERNEL_OPS.setdefault("grouped_mm_k", {})["sm90"] = "grouped_gemm_sm90:grouped_mm_k"
+
+# Blackwell grouped MXFP8 GEMMs (issue 8): compiled and SASS-checked, first use self-checked.
+KERNEL_OPS.setdefault("grouped_mm_m", {})["sm100"] = "grouped_gemm_sm100:grouped_mm_m"
+KERNEL_OPS.setdefault("grouped_mm_k", {})["sm100"] = "grouped_gemm_sm100:grouped_mm_k"
+
 # MXFP8 quantizers (kernels/quantize.py): one SIMT source for both archs.
 for _op in ("quantize_rowwise", "quantize_colwise", "quantize_dual", "quantize_weights"):
     KERNEL_OPS[_op] = {"sm90": f"quantize:{_op}", "sm100": f"quantize:{_op}"}

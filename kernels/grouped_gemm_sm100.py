@@ -1,0 +1,965 @@
+"""Blackwell (sm_100a) grouped block-scaled MXFP8 GEMM: ``tcgen05.mma ... kind::mxf8f6f4
+.block_scale.block32`` with E8M0 scales.
+
+Two entry points (registered in ``moe_mxfp8.kernels.KERNEL_OPS[...]["sm100"]``):
+
+* `grouped_mm_m` -- 2D x 3D, M-grouped (fprop/dgrad): ``a (M, K)`` rowwise with row groups,
+  ``b (E, N, K)`` expert weights -> ``(M, N)``.
+* `grouped_mm_k` -- 2D x 2D, K-grouped (wgrad): ``a (N, M)``, ``b (K, M)`` quantized along M per
+  group -> ``(E, N, K)``, zeros for an empty group.
+
+Design (details in docs/NOTES.md, "Blackwell grouped GEMM"):
+
+* Warp-specialised and persistent: warps 0-3 epilogue (TMEM -> registers -> SMEM -> TMA store),
+  warp 4 MMA (one thread issues tcgen05.mma), warp 5 TMA loads. Every role walks the same
+  device-side schedule: work units are numbered group by group and each role advances a cursor
+  over ``offs`` (read on the device; nothing is synchronised with the host).
+* Operands arrive by TMA into an SMEM ring. Group starts are arbitrary token offsets: the TMA
+  coordinate tensors are shifted with ``domain_offset`` (TMA box starts need no alignment).
+* Scales: the quantizer's packed layout is a sequence of 512-byte tiles (128 rows x 4 blocks),
+  exactly the SMEM layout ``tcgen05.cp`` reads. A 128 x 128 operand tile needs one such tile per
+  128 rows, so each scale operand is viewed as a flat ``(tiles * 4, 128)`` byte matrix and one
+  TMA box of ``(4, 128)`` copies one packed tile verbatim (no repack); its index comes from the
+  shared addressing formula (``grouped_gemm_common``). SMEM -> TMEM by ``tcgen05.cp``
+  (``Cp4x32x128bOp``), issued by the MMA warp just before the MMAs that read it.
+* Accumulators in TMEM, double-buffered so the epilogue of one tile overlaps the next mainloop.
+* M-grouped: rows past a group's end are loaded (they belong to the next group, or are zero-filled
+  by TMA past M) but never stored: full tiles leave by TMA store, the last tile of a group by
+  predicated per-thread stores. cta_group::2 (256-row MMA over a CTA pair) when groups are large.
+* K-grouped: a group's last k-tile may hold tokens of the next group. MMAs of whole 32-token
+  blocks past the end are skipped; the tail of the last partial block is zeroed in SMEM (both
+  operands) by the MMA warp before it issues the MMA. Output tiles align with ``(E, N, K)``, so
+  every tile leaves by TMA store; an empty group stores zeros without reading TMEM.
+
+No Blackwell GPU was available when this was written: the kernel is verified by compiling for
+sm_100a and reading the SASS (tests/kernels/test_grouped_gemm_sm100.py); the first call on a
+real Blackwell GPU runs `moe_mxfp8.selfcheck` and refuses to run if the results are wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.blockscaled_layout as blockscaled_utils
+import torch
+from cutlass import Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from moe_mxfp8 import reference as R
+from moe_mxfp8.mx_tensor import MXFP8Tensor
+
+from . import grouped_gemm_common as ggc
+from .common import TILE_BYTES, CompileCache, current_stream, target_arch
+
+SF_VEC_SIZE = 32  # MXFP8: one E8M0 scale per 32 elements along K (block32)
+TILE_K = 128  # reduced elements per k-tile: 4 MMA k-blocks of 32 = one packed scale tile column
+MMA_K = 32  # K of one tcgen05.mma kind::mxf8f6f4 instruction (8-bit operands)
+K_BLOCKS_PER_TILE = TILE_K // MMA_K
+SF_TILE_ROWS = 128  # rows of one 512-byte packed scale tile
+SF_BOX = (4, 128)  # a 512-byte packed tile as a TMA box (inner box dimension <= 256 elements)
+SMEM_CAPACITY = 232448  # sm_100 opt-in shared memory per CTA (227 KiB)
+SMEM_RESERVED = 1024  # barriers, TMEM pointer, alignment slack
+TMEM_COLS = 512  # TMEM columns per SM; allocated whole (one CTA per SM)
+OFFS_ALIGN = 4  # offs may be a view at any int32 offset; it is read by scalar loads only
+EPI_WARPS = (0, 1, 2, 3)
+MMA_WARP = 4
+TMA_WARP = 5
+THREADS = 32 * 6
+EPI_BARRIER_ID = 1
+TMEM_ALLOC_BARRIER_ID = 2
+
+MODE_M = ggc.MODE_M
+MODE_K = ggc.MODE_K
+
+
+@dataclass(frozen=True)
+class Sm100GroupedConfig:
+    """Static configuration of one compiled kernel.
+
+    ``mma_m`` 128: one CTA per MMA tile; 256: a CTA pair (cluster (2, 1)) runs cta_group::2
+    MMAs of 256 x ``mma_n``, each CTA holding 128 rows. ``n`` and ``k`` are the static extents
+    (`grouped_gemm_common.GroupedProblem`); tokens and the group count stay dynamic.
+    """
+
+    mode: str
+    n: int
+    k: int
+    out_dtype: torch.dtype = torch.bfloat16
+    mma_m: int = 128
+    mma_n: int = 128
+
+    @property
+    def two_cta(self) -> bool:
+        return self.mma_m == 256
+
+    @property
+    def cluster_shape_mn(self) -> tuple[int, int]:
+        return (2, 1) if self.two_cta else (1, 1)
+
+
+def select_config(problem: ggc.GroupedProblem) -> Sm100GroupedConfig:
+    """Tile choice. cta_group::2 halves B traffic per CTA but needs groups of >= 256 rows to
+    fill its tiles; with unknown (device-side) group sizes we use the mean group size. The
+    K-grouped kernel zeroes group tails in SMEM from the MMA warp, which only sees its own CTA's
+    SMEM, so it stays on one CTA per tile."""
+    mma_m = 128
+    if problem.mode == MODE_M and problem.m >= 256 * max(problem.num_groups, 1):
+        mma_m = 256
+    return Sm100GroupedConfig(problem.mode, problem.n, problem.k, problem.out_dtype, mma_m, 128)
+
+
+def scale_tile_index(mode, n, k, mma_m, mma_n, mt, nt, v, g, m_g, tiles128_before):
+    """Packed scale tiles of one work unit: (SFA tile of CTA ``v`` at k-tile 0, SFB tile of the
+    first 128-row tile at k-tile 0, tile step between SFB row tiles); k-tile t adds t.
+
+    The 512-byte tile index of the `grouped_gemm_common` addressing (plain arithmetic: runs on
+    Python ints in tests and on device integers in the kernel). ``mt``/``nt``: MMA-tile
+    coordinates in the group; ``m_g``: the group's tokens; ``tiles128_before``:
+    ``sum_{h<g} ceil(m_h/128)``.
+
+    * MODE_M: a's group g starts at packed row ``P_g = 128 * tiles128_before``; weights: expert
+      g's scales start ``g * ceil(n/128) * T_k`` tiles in, with ``T_k = ceil(ceil(k/32)/4)``.
+    * MODE_K: operand of R rows, group g starts at tile ``ceil(R/128) * tiles128_before`` and
+      has ``ceil(m_g/128)`` tiles per 128-row tile (``KBp_g / 4``).
+    """
+    a_rt = mt * (mma_m // SF_TILE_ROWS) + v
+    b_rt = nt * (mma_n // SF_TILE_ROWS)
+    if mode == MODE_M:
+        kt = ggc.scale_tiles_per_row_tile(k)
+        n128 = (n + SF_TILE_ROWS - 1) // SF_TILE_ROWS
+        return (tiles128_before + a_rt) * kt, (g * n128 + b_rt) * kt, kt
+    kt_g = (m_g + TILE_K - 1) // TILE_K
+    a128 = (n + SF_TILE_ROWS - 1) // SF_TILE_ROWS
+    b128 = (k + SF_TILE_ROWS - 1) // SF_TILE_ROWS
+    return a128 * tiles128_before + a_rt * kt_g, b128 * tiles128_before + b_rt * kt_g, kt_g
+
+
+class Sm100GroupedBlockScaledGemm:
+    """Persistent, warp-specialised grouped MXFP8 GEMM for sm_100a (see module docstring)."""
+
+    def __init__(self, config: Sm100GroupedConfig):
+        self.cfg = config
+        self.mode = config.mode
+        self.cta_group = tcgen05.CtaGroup.TWO if config.two_cta else tcgen05.CtaGroup.ONE
+        self.atom_thr = 2 if config.two_cta else 1
+        self.cluster_shape_mn = config.cluster_shape_mn
+        self.acc_dtype = cutlass.Float32
+        self.a_dtype = cutlass.Float8E4M3FN
+        self.b_dtype = cutlass.Float8E4M3FN
+        self.sf_dtype = cutlass.Float8E8M0FNU
+        self.c_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[
+            config.out_dtype
+        ]
+        self.mma_tiler = (config.mma_m, config.mma_n, TILE_K)
+        self.cta_tile_mnk = (config.mma_m // self.atom_thr, config.mma_n, TILE_K)
+        # Every CTA needs the scales of the whole MMA N extent, rounded up to 128-row tiles.
+        self.sfb_row_tiles = -(-config.mma_n // SF_TILE_ROWS)
+        self.num_acc_stage = 2
+        self.num_c_stage = 2
+
+    # ------------------------------------------------------------------ host-side checks
+    def can_implement(self, problem: ggc.GroupedProblem) -> tuple[bool, str]:
+        if problem.mode != self.mode:
+            return False, f"kernel built for mode {self.mode!r}, problem is {problem.mode!r}"
+        if self.mode == MODE_K and self.cfg.two_cta:
+            return False, "K-grouped kernel runs one CTA per tile (SMEM tail fix-up)"
+        if self.cfg.mma_n != 128:
+            # 256 would need one accumulator stage (2 x 256 + scale columns > 512 TMEM
+            # columns); not built or compile-tested.
+            return False, f"mma_n must be 128, got {self.cfg.mma_n}"
+        # TMA: 16-byte row strides (fp8 rows K or M; output rows N or K in out_dtype).
+        limits = dict(n_multiple=32, k_multiple=32, m_multiple=16 if self.mode == MODE_K else 1)
+        return ggc.can_implement(problem, **limits)
+
+    # ------------------------------------------------------------------ static attributes
+    def _setup(self):
+        self.tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, OperandMajorMode.K, OperandMajorMode.K,
+            self.sf_dtype, SF_VEC_SIZE, self.cta_group, self.mma_tiler[:2],
+        )
+        self.cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (self.tiled_mma.thr_id.shape,)
+        )
+        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
+            self.cta_tile_mnk, self.cfg.two_cta, self.c_layout, self.c_dtype
+        )
+        self.num_ab_stage = self._compute_ab_stages()
+        self.a_smem_layout = sm100_utils.make_smem_layout_a(
+            self.tiled_mma, self.mma_tiler, self.a_dtype, self.num_ab_stage
+        )
+        self.b_smem_layout = sm100_utils.make_smem_layout_b(
+            self.tiled_mma, self.mma_tiler, self.b_dtype, self.num_ab_stage
+        )
+        self.sfa_smem_layout = blockscaled_utils.make_smem_layout_sfa(
+            self.tiled_mma, self.mma_tiler, SF_VEC_SIZE, self.num_ab_stage
+        )
+        self.sfb_smem_layout = blockscaled_utils.make_smem_layout_sfb(
+            self.tiled_mma, self.mma_tiler, SF_VEC_SIZE, self.num_ab_stage
+        )
+        # The same SMEM bytes seen by the scale TMA: one (4, 128) box per 512-byte packed tile.
+        self.sfa_tma_layout = cute.make_layout(
+            (*SF_BOX, 1, self.num_ab_stage), stride=(SF_BOX[1], 1, TILE_BYTES, TILE_BYTES)
+        )
+        self.sfb_tma_layout = cute.make_layout(
+            (*SF_BOX, self.sfb_row_tiles, self.num_ab_stage),
+            stride=(SF_BOX[1], 1, TILE_BYTES, TILE_BYTES * self.sfb_row_tiles),
+        )
+        self.c_smem_layout = sm100_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
+        )
+        # TMEM columns: accumulator stages, then SFA, then SFB. tcgen05.cp (4x32x128b) puts the
+        # scales of 128 rows x 4 blocks (one packed tile) in 4 columns per 32-row group, i.e.
+        # (rows / 32) x 4 columns per 128-wide k-tile: 16 for 128 rows.
+        sf_cols_per_128 = (SF_TILE_ROWS // 32) * K_BLOCKS_PER_TILE
+        self.num_sfa_cols = sf_cols_per_128 * (self.cta_tile_mnk[0] // SF_TILE_ROWS)
+        self.num_sfb_cols = sf_cols_per_128 * self.sfb_row_tiles
+        self.num_acc_cols = self.cta_tile_mnk[1] * self.num_acc_stage
+        assert self.num_acc_cols + self.num_sfa_cols + self.num_sfb_cols <= TMEM_COLS
+
+    def _compute_ab_stages(self) -> int:
+        a_bytes = self.cta_tile_mnk[0] * TILE_K
+        b_bytes = (self.mma_tiler[1] // self.atom_thr) * TILE_K
+        sf_bytes = TILE_BYTES * (self.cta_tile_mnk[0] // SF_TILE_ROWS + self.sfb_row_tiles)
+        c_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
+        c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
+        return (SMEM_CAPACITY - SMEM_RESERVED - c_bytes) // (a_bytes + b_bytes + sf_bytes)
+
+    # ------------------------------------------------------------------ launch
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sfa_ptr: cute.Pointer,
+        sfb_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        offs_ptr: cute.Pointer,
+        m: Int32,
+        num_groups: Int32,
+        sfa_bytes: Int32,
+        sfb_bytes: Int32,
+        max_active_clusters: cutlass.Constexpr,
+        stream,
+    ):
+        """Raw device pointers of the torch buffers (contiguous; see `_views`), the token count
+        ``m``, the group count, and the packed scale buffer sizes in bytes (multiples of 512).
+        Pointers + Int32 sizes keep one compiled signature for CPU CI and the GPU."""
+        self._setup()
+        mA, mB, mC = self._views(a_ptr, b_ptr, out_ptr, m, num_groups)
+        # The same output for the predicated stores, with a 64-bit row stride: M x N may pass
+        # 2^31 elements (TMA coordinates are per dimension and need no such care).
+        mC_st = mC
+        if cutlass.const_expr(self.mode == MODE_M):
+            mC_st = cute.make_tensor(
+                out_ptr, cute.make_layout((m, self.cfg.n, 1),
+                                          stride=(cutlass.Int64(self.cfg.n), 1, 0))
+            )
+        offs = cute.make_tensor(offs_ptr, cute.make_layout(num_groups))
+        # Packed scales as (tiles * 4, 128) bytes: row 4*t starts packed tile t.
+        mSFA = cute.make_tensor(
+            sfa_ptr, cute.make_layout((sfa_bytes // SF_BOX[1], SF_BOX[1]), stride=(SF_BOX[1], 1))
+        )
+        mSFB = cute.make_tensor(
+            sfb_ptr, cute.make_layout((sfb_bytes // SF_BOX[1], SF_BOX[1]), stride=(SF_BOX[1], 1))
+        )
+        tiled_mma = self.tiled_mma
+        a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
+        b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
+        a_smem_one = cute.slice_(self.a_smem_layout, (None, None, None, 0))
+        b_smem_one = cute.slice_(self.b_smem_layout, (None, None, None, 0))
+        tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+        )
+        tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+            b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+        )
+        # Scale tiles: a CTA loads its own SFA tile and every SFB tile of the MMA's N extent
+        # (both CTAs of a pair need all of SFB in their TMEM); with cta_group::2 the copies
+        # complete on the leader CTA's barrier like the operand copies.
+        sf_op = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
+        sf_box = cute.make_layout(SF_BOX, stride=(SF_BOX[1], 1))
+        tma_atom_sfa, tma_sfa = cpasync.make_tiled_tma_atom(sf_op, mSFA, sf_box, SF_BOX)
+        tma_atom_sfb, tma_sfb = cpasync.make_tiled_tma_atom(sf_op, mSFB, sf_box, SF_BOX)
+        epi_smem_one = cute.slice_(self.c_smem_layout, (None, None, 0))
+        tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC, epi_smem_one, self.epi_tile
+        )
+        a_bytes = cute.size_in_bytes(self.a_dtype, a_smem_one)
+        b_bytes = cute.size_in_bytes(self.b_dtype, b_smem_one)
+        sf_bytes = TILE_BYTES * (1 + self.sfb_row_tiles)
+        self.tx_bytes = (a_bytes + b_bytes + sf_bytes) * self.atom_thr
+
+        @cute.struct
+        class SharedStorage:
+            ab_full: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage]
+            ab_empty: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage]
+            acc_full: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage]
+            acc_empty: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage]
+            tmem_dealloc: cutlass.Int64
+            tmem_holding: cutlass.Int32
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem_layout.outer)], 1024
+            ]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout.outer)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout.outer)], 1024
+            ]
+            sSFA: cute.struct.Align[
+                cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfa_smem_layout)], 1024
+            ]
+            sSFB: cute.struct.Align[
+                cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfb_smem_layout)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+        cluster_size = self.cluster_shape_mn[0] * self.cluster_shape_mn[1]
+        self.kernel(
+            tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa,
+            tma_atom_sfb, tma_sfb, tma_atom_c, tma_c, mC_st, offs, self.cluster_layout_vmnk,
+            self.a_smem_layout, self.b_smem_layout, self.sfa_smem_layout, self.sfb_smem_layout,
+            self.c_smem_layout, self.sfa_tma_layout, self.sfb_tma_layout, self.epi_tile,
+        ).launch(
+            grid=(max_active_clusters * cluster_size, 1, 1),
+            block=(THREADS, 1, 1),
+            cluster=(*self.cluster_shape_mn, 1),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.jit
+    def _views(self, a_ptr, b_ptr, out_ptr, m: Int32, e: Int32):
+        """GEMM views (rows, reduced, batch) of the contiguous torch buffers, all "TN".
+
+        MODE_M: a (M, K) -> (M, K, 1); b (E, N, K) -> (N, K, E); out (M, N) -> (M, N, 1).
+        MODE_K: a (N, M) -> (N, M, 1); b (K, M) -> (K, M, 1); out (E, N, K) -> (N, K, E).
+        """
+        n, k = self.cfg.n, self.cfg.k
+        if cutlass.const_expr(self.mode == MODE_M):
+            mA = cute.make_tensor(a_ptr, cute.make_layout((m, k, 1), stride=(k, 1, 0)))
+            mB = cute.make_tensor(b_ptr, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
+            mC = cute.make_tensor(out_ptr, cute.make_layout((m, n, 1), stride=(n, 1, 0)))
+        else:
+            # Token rows: TMA needs 16-byte strides, which `can_implement` guarantees.
+            ms = cute.assume(m, divby=16)
+            mA = cute.make_tensor(a_ptr, cute.make_layout((n, m, 1), stride=(ms, 1, 0)))
+            mB = cute.make_tensor(b_ptr, cute.make_layout((k, m, 1), stride=(ms, 1, 0)))
+            mC = cute.make_tensor(out_ptr, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
+        return mA, mB, mC
+
+    # ------------------------------------------------------------------ device schedule
+    @cute.jit
+    def _units_of_group(self, m_g: Int32) -> Int32:
+        """Work units (output tiles) of a group of ``m_g`` tokens."""
+        nt = (self.cfg.n + self.mma_tiler[1] - 1) // self.mma_tiler[1]
+        if cutlass.const_expr(self.mode == MODE_M):
+            return ((m_g + self.mma_tiler[0] - 1) // self.mma_tiler[0]) * nt
+        mt = (self.cfg.n + self.mma_tiler[0] - 1) // self.mma_tiler[0]
+        nt = (self.cfg.k + self.mma_tiler[1] - 1) // self.mma_tiler[1]
+        return mt * nt
+
+    @cute.jit
+    def _seek(self, offs: cute.Tensor, unit: Int32, cur):
+        """Advance the group cursor ``cur`` to the group that owns work unit ``unit``.
+
+        ``cur = (g, unit_base, tok_start, tok_end, tiles128_base)``: group g's first unit, its
+        token range, and ``sum_{h<g} ceil(m_h/128)`` (the packed-tile base of the contract's
+        grouped layouts). Units only grow along one CTA's walk, so the cursor only moves on;
+        ``g == E`` means the unit is past the last group.
+        """
+        g, base, t0, t1, tb = cur
+        num_groups = cute.size(offs)
+        done = g >= num_groups
+        if not done:
+            done = unit < base + self._units_of_group(t1 - t0)
+        while not done:
+            m_g = t1 - t0
+            base = base + self._units_of_group(m_g)
+            tb = tb + (m_g + SF_TILE_ROWS - 1) // SF_TILE_ROWS
+            g = g + 1
+            t0 = t1
+            if g < num_groups:
+                t1 = offs[g]
+                done = unit < base + self._units_of_group(t1 - t0)
+            else:
+                done = True
+        return g, base, t0, t1, tb
+
+    @cute.jit
+    def _start_cursor(self, offs: cute.Tensor):
+        return Int32(0), Int32(0), Int32(0), offs[0], Int32(0)
+
+    @cute.jit
+    def _tile_coords(self, unit: Int32, cur):
+        """(mt, nt) MMA-tile coordinates of ``unit`` inside its group (N fastest)."""
+        _, base, _, _, _ = cur
+        if cutlass.const_expr(self.mode == MODE_M):
+            nt_count = (self.cfg.n + self.mma_tiler[1] - 1) // self.mma_tiler[1]
+        else:
+            nt_count = (self.cfg.k + self.mma_tiler[1] - 1) // self.mma_tiler[1]
+        local = unit - base
+        return local // nt_count, local % nt_count
+
+    @cute.jit
+    def _k_tiles(self, cur) -> Int32:
+        _, _, t0, t1, _ = cur
+        if cutlass.const_expr(self.mode == MODE_M):
+            return Int32((self.cfg.k + TILE_K - 1) // TILE_K)
+        return (t1 - t0 + TILE_K - 1) // TILE_K
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_sfa: cute.CopyAtom,
+        mSFA: cute.Tensor,
+        tma_atom_sfb: cute.CopyAtom,
+        mSFB: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mC_tma: cute.Tensor,
+        mC: cute.Tensor,
+        offs: cute.Tensor,
+        cluster_layout_vmnk: cute.Layout,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        sfa_smem_layout: cute.Layout,
+        sfb_smem_layout: cute.Layout,
+        c_smem_layout: cute.ComposedLayout,
+        sfa_tma_layout: cute.Layout,
+        sfb_tma_layout: cute.Layout,
+        epi_tile: cute.Tile,
+    ):
+        # Layouts built on the host side of the jit are re-bound to the kernel's own values.
+        self.cluster_layout_vmnk = cluster_layout_vmnk
+        self.a_smem_layout, self.b_smem_layout = a_smem_layout, b_smem_layout
+        self.sfa_smem_layout, self.sfb_smem_layout = sfa_smem_layout, sfb_smem_layout
+        self.c_smem_layout, self.epi_tile = c_smem_layout, epi_tile
+        self.sfa_tma_layout, self.sfb_tma_layout = sfa_tma_layout, sfb_tma_layout
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == TMA_WARP:
+            for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c):
+                cpasync.prefetch_descriptor(atom)
+        two_cta = cutlass.const_expr(self.atom_thr == 2)
+        bidx, _, _ = cute.arch.block_idx()
+        v = bidx % self.atom_thr  # this CTA's half of a cta_group::2 MMA tile
+        is_leader = v == 0
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = self.cluster_layout_vmnk.get_flat_coord(cta_rank)
+
+        smem = utils.SmemAllocator()
+        st = smem.allocate(self.shared_storage)
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=st.ab_full.data_ptr(),
+            num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=self.cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=st.acc_full.data_ptr(),
+            num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(EPI_WARPS) * self.atom_thr
+            ),
+            cta_layout_vmnk=self.cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        tmem = utils.TmemAllocator(
+            st.tmem_holding.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=TMEM_ALLOC_BARRIER_ID, num_threads=32 * (1 + len(EPI_WARPS))
+            ),
+            allocator_warp_id=EPI_WARPS[0],
+            is_two_cta=two_cta,
+            two_cta_tmem_dealloc_mbar_ptr=st.tmem_dealloc.ptr,
+        )
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = st.sA.get_tensor(self.a_smem_layout.outer, swizzle=self.a_smem_layout.inner)
+        sB = st.sB.get_tensor(self.b_smem_layout.outer, swizzle=self.b_smem_layout.inner)
+        sSFA = st.sSFA.get_tensor(self.sfa_smem_layout)
+        sSFB = st.sSFB.get_tensor(self.sfb_smem_layout)
+        sC = st.sC.get_tensor(self.c_smem_layout.outer, swizzle=self.c_smem_layout.inner)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        if warp_idx == TMA_WARP:
+            self._producer(
+                tiled_mma, v, cluster_coord, ab_pipe, tma_atom_a, mA, tma_atom_b, mB,
+                tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sA, sB, sSFA, sSFB, offs,
+            )
+        if warp_idx == MMA_WARP:
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            self._mma(
+                tiled_mma, is_leader, ab_pipe, acc_pipe, acc_ptr, tCtAcc_fake, sA, sB, sSFA,
+                sSFB, offs,
+            )
+        if warp_idx < MMA_WARP:
+            tmem.allocate(TMEM_COLS)
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            self._epilogue(
+                tiled_mma, v, acc_pipe, acc_ptr, tCtAcc_fake, tma_atom_c, mC_tma, mC, sC, offs,
+            )
+            tmem.relinquish_alloc_permit()
+            self._epi_barrier().arrive_and_wait()
+            tmem.free(acc_ptr)
+
+    def _epi_barrier(self):
+        return pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=32 * len(EPI_WARPS))
+
+    @cute.jit
+    def _work_range(self):
+        """(first unit, stride) of this CTA's cluster in the persistent walk."""
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        return bidx // self.atom_thr, gdim // self.atom_thr
+
+    @cute.jit
+    def _a_rows(self, mt: Int32, nt: Int32, cur):
+        """(row origin of A's MMA tile, of B's MMA tile, batch index of B, reduced origin)."""
+        g, _, t0, _, _ = cur
+        if cutlass.const_expr(self.mode == MODE_M):
+            return t0 + mt * self.mma_tiler[0], nt * self.mma_tiler[1], g, Int32(0)
+        return mt * self.mma_tiler[0], nt * self.mma_tiler[1], Int32(0), t0
+
+    @cute.jit
+    def _out_tile(self, unit: Int32, v: Int32, cur):
+        """This CTA's output tile: (first row, first column, batch index, rows to store).
+
+        M-grouped: rows past the group's end belong to the next group and are not stored
+        (``valid_rows`` < 128, possibly <= 0 for the second CTA of a pair)."""
+        g, _, _, t1, _ = cur
+        mt, nt = self._tile_coords(unit, cur)
+        a_row, b_row, _, _ = self._a_rows(mt, nt, cur)
+        row0 = a_row + v * self.cta_tile_mnk[0]
+        c_l = Int32(0)
+        valid_rows = Int32(self.cta_tile_mnk[0])
+        if cutlass.const_expr(self.mode == MODE_M):
+            valid_rows = cutlass.min(t1 - row0, valid_rows)
+        else:
+            c_l = g
+        return row0, b_row, c_l, valid_rows
+
+    @cute.jit
+    def _sf_tiles(self, mt: Int32, nt: Int32, v: Int32, cur):
+        """Packed-tile indices of this CTA's SFA tile and first SFB tile at k-tile 0, and the
+        tile step between SFB row tiles (see `scale_tile_index`)."""
+        g, _, t0, t1, tb = cur
+        return scale_tile_index(self.mode, self.cfg.n, self.cfg.k, self.mma_tiler[0],
+                                self.mma_tiler[1], mt, nt, v, g, t1 - t0, tb)
+
+    # ------------------------------------------------------------------ TMA warp
+    @cute.jit
+    def _producer(
+        self, tiled_mma, v, cluster_coord, ab_pipe, tma_atom_a, mA, tma_atom_b, mB,
+        tma_atom_sfa, mSFA, tma_atom_sfb, mSFB, sA, sB, sSFA, sSFB, offs,
+    ):
+        thr_mma = tiled_mma.get_slice(v)
+        a_cta_layout = cute.make_layout(
+            cute.slice_(self.cluster_layout_vmnk, (0, 0, None, 0)).shape
+        )
+        b_cta_layout = cute.make_layout(
+            cute.slice_(self.cluster_layout_vmnk, (0, None, 0, 0)).shape
+        )
+        sSFA_tma = cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=cutlass.Uint8),
+                                    self.sfa_tma_layout)
+        sSFB_tma = cute.make_tensor(cute.recast_ptr(sSFB.iterator, dtype=cutlass.Uint8),
+                                    self.sfb_tma_layout)
+        # ((box), STAGE) / ((box), tiles)
+        tSsSFA, tSgSFA = cpasync.tma_partition(
+            tma_atom_sfa, 0, cute.make_layout(1),
+            cute.group_modes(sSFA_tma, 0, 3),  # ((box), STAGE)
+            cute.group_modes(cute.local_tile(mSFA, SF_BOX, (None, 0)), 0, 2),
+        )
+        # ((box), ROW_TILE, STAGE) / ((box), tiles)
+        tSsSFB, tSgSFB = cpasync.tma_partition(
+            tma_atom_sfb, 0, cute.make_layout(1),
+            cute.group_modes(sSFB_tma, 0, 2),
+            cute.group_modes(cute.local_tile(mSFB, SF_BOX, (None, 0)), 0, 2),
+        )
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.num_ab_stage)
+        unit, stride = self._work_range()
+        cur = self._start_cursor(offs)
+        cur = self._seek(offs, unit, cur)
+        while cur[0] < cute.size(offs):
+            mt, nt = self._tile_coords(unit, cur)
+            a_row, b_row, b_l, k0 = self._a_rows(mt, nt, cur)
+            sfa_t, sfb_t, sfb_step = self._sf_tiles(mt, nt, v, cur)
+            k_tiles = self._k_tiles(cur)
+            # A / B tiles of this work unit, shifted to the group's arbitrary token origin.
+            gA = cute.local_tile(
+                cute.domain_offset((a_row, k0, 0), mA),
+                cute.slice_(self.mma_tiler, (None, 0, None)), (0, None, 0),
+            )
+            gB = cute.local_tile(
+                cute.domain_offset((b_row, k0, 0), mB),
+                cute.slice_(self.mma_tiler, (0, None, None)), (0, None, b_l),
+            )
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a, cluster_coord[2], a_cta_layout,
+                cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3),
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b, cluster_coord[1], b_cta_layout,
+                cute.group_modes(sB, 0, 3), cute.group_modes(thr_mma.partition_B(gB), 0, 3),
+            )
+            for kt in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_atom_a, tAgA[(None, kt)], tAsA[(None, state.index)],
+                          tma_bar_ptr=bar)
+                cute.copy(tma_atom_b, tBgB[(None, kt)], tBsB[(None, state.index)],
+                          tma_bar_ptr=bar)
+                cute.copy(tma_atom_sfa, tSgSFA[(None, sfa_t + kt)],
+                          tSsSFA[(None, state.index)], tma_bar_ptr=bar)
+                for j in cutlass.range_constexpr(self.sfb_row_tiles):
+                    cute.copy(tma_atom_sfb, tSgSFB[(None, sfb_t + j * sfb_step + kt)],
+                              tSsSFB[(None, j, state.index)], tma_bar_ptr=bar)
+                state.advance()
+            unit = unit + stride
+            cur = self._seek(offs, unit, cur)
+        ab_pipe.producer_tail(state)
+
+    # ------------------------------------------------------------------ MMA warp
+    @cute.jit
+    def _mma(
+        self, tiled_mma, is_leader, ab_pipe, acc_pipe, acc_ptr, tCtAcc_fake, sA, sB, sSFA,
+        sSFB, offs,
+    ):
+        tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+        sfa_ptr = cute.recast_ptr(acc_ptr + self.num_acc_cols, dtype=self.sf_dtype)
+        tCtSFA = cute.make_tensor(
+            sfa_ptr,
+            blockscaled_utils.make_tmem_layout_sfa(
+                tiled_mma, self.mma_tiler, SF_VEC_SIZE,
+                cute.slice_(self.sfa_smem_layout, (None, None, None, 0)),
+            ),
+        )
+        sfb_ptr = cute.recast_ptr(
+            acc_ptr + self.num_acc_cols + self.num_sfa_cols, dtype=self.sf_dtype
+        )
+        tCtSFB = cute.make_tensor(
+            sfb_ptr,
+            blockscaled_utils.make_tmem_layout_sfb(
+                tiled_mma, self.mma_tiler, SF_VEC_SIZE,
+                cute.slice_(self.sfb_smem_layout, (None, None, None, 0)),
+            ),
+        )
+        s2t_sfa, tSsSFA, tStSFA = self._s2t_partition(sSFA, tCtSFA)
+        s2t_sfb, tSsSFB, tStSFB = self._s2t_partition(sSFB, tCtSFB)
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+
+        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                self.num_ab_stage)
+        acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                 self.num_acc_stage)
+        unit, stride = self._work_range()
+        cur = self._start_cursor(offs)
+        cur = self._seek(offs, unit, cur)
+        while cur[0] < cute.size(offs):
+            k_tiles = self._k_tiles(cur)
+            tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+            if is_leader:
+                acc_pipe.producer_acquire(acc_state)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                if is_leader:
+                    ab_pipe.consumer_wait(ab_state)
+                    n_kblocks = Int32(K_BLOCKS_PER_TILE)
+                    if cutlass.const_expr(self.mode == MODE_K):
+                        n_kblocks = self._fix_group_tail(kt, k_tiles, cur, sA, sB, ab_state)
+                    stage = (None, None, None, None, ab_state.index)
+                    cute.copy(s2t_sfa, tSsSFA[stage], tStSFA)
+                    cute.copy(s2t_sfb, tSsSFB[stage], tStSFB)
+                    for kb in cutlass.range_constexpr(K_BLOCKS_PER_TILE):
+                        # Set outside the predicate: the MMA's runtime state is an SSA value.
+                        # The first k-block of a tile overwrites the accumulator.
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, (kt > 0) if kb == 0 else True)
+                        if kb < n_kblocks:
+                            kc = (None, None, kb)
+                            cute.gemm(
+                                tiled_mma, tCtAcc,
+                                [tCrA[(None, None, kb, ab_state.index)], tCtSFA[kc]],
+                                [tCrB[(None, None, kb, ab_state.index)], tCtSFB[kc]],
+                                tCtAcc,
+                            )
+                    ab_pipe.consumer_release(ab_state)
+                ab_state.advance()
+            # An empty group (K-grouped) issues no MMA: the epilogue stores zeros for it.
+            if is_leader:
+                acc_pipe.producer_commit(acc_state)
+            acc_state.advance()
+            unit = unit + stride
+            cur = self._seek(offs, unit, cur)
+        acc_pipe.producer_tail(acc_state)
+
+    @cute.jit
+    def _fix_group_tail(self, kt, k_tiles, cur, sA, sB, ab_state) -> Int32:
+        """K-grouped: number of 32-token k-blocks of this k-tile inside the group, after zeroing
+        the tokens past the group's end within the last partial block (A and B, in SMEM).
+
+        Tokens past the end belong to the next group (TMA fills zeros only past M); a partial
+        block's scale is the group's own, so its foreign tokens must be zero in both operands
+        (one zero operand is not enough: 0 x NaN). Then fence so the MMA (async proxy) sees it.
+        """
+        _, _, t0, t1, _ = cur
+        n_kblocks = Int32(K_BLOCKS_PER_TILE)
+        if kt == k_tiles - 1:
+            valid = t1 - t0 - kt * TILE_K  # 1..128 tokens of this tile are in the group
+            n_kblocks = (valid + MMA_K - 1) // MMA_K
+            tail = valid % MMA_K
+            if tail != 0:
+                lane = cute.arch.lane_idx()
+                kb = valid // MMA_K
+                # ((rows, 32)) views of k-block kb of this stage; the swizzle is in the layout.
+                sAz = cute.recast_tensor(sA[(None, 0, kb, ab_state.index)], cutlass.Uint8)
+                sBz = cute.recast_tensor(sB[(None, 0, kb, ab_state.index)], cutlass.Uint8)
+                for r in cutlass.range(lane, cute.size(sAz, mode=[0, 0]), 32, unroll=1):
+                    for c in cutlass.range(tail, MMA_K, unroll=1):
+                        sAz[((r, c),)] = cutlass.Uint8(0)
+                for r in cutlass.range(lane, cute.size(sBz, mode=[0, 0]), 32, unroll=1):
+                    for c in cutlass.range(tail, MMA_K, unroll=1):
+                        sBz[((r, c),)] = cutlass.Uint8(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
+        return n_kblocks
+
+    def _s2t_partition(self, sSF, tSF):
+        """tcgen05.cp (SMEM -> TMEM) of a scale tile: copy, partitioned source, destination."""
+        tCsSF = cute.filter_zeros(sSF)
+        tCtSF = cute.filter_zeros(tSF)
+        atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(self.cta_group), self.sf_dtype)
+        tiled = tcgen05.make_s2t_copy(atom, tCtSF)
+        thr = tiled.get_slice(0)
+        src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(tCsSF))
+        return tiled, src, thr.partition_D(tCtSF)
+
+    # ------------------------------------------------------------------ epilogue warps
+    @cute.jit
+    def _epilogue(self, tiled_mma, v, acc_pipe, acc_ptr, tCtAcc_fake, tma_atom_c, mC_tma, mC,
+                  sC, offs):
+        tidx, _, _ = cute.arch.thread_idx()
+        tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+        t2r_atom = sm100_utils.get_tmem_load_op(
+            self.cta_tile_mnk, self.c_layout, self.c_dtype, self.acc_dtype, self.epi_tile,
+            self.atom_thr == 2,
+        )
+        # (EPI_TILE_M, EPI_TILE_N, EPI_M, EPI_N, STAGE)
+        tAcc_epi = cute.flat_divide(tCtAcc_base[((None, None), 0, 0, None)], self.epi_tile)
+        tiled_t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0, 0)])
+        thr_t2r = tiled_t2r.get_slice(tidx)
+        tTR_tAcc_base = thr_t2r.partition_S(tAcc_epi)
+        # Coordinates of every accumulator element of a CTA tile (for predicated stores).
+        cta_tile_mn = (self.cta_tile_mnk[0], self.cta_tile_mnk[1])
+        cC_epi = cute.flat_divide(cute.make_identity_tensor(cta_tile_mn), self.epi_tile)
+        tTR_cC = thr_t2r.partition_D(cC_epi)
+        tTR_rAcc = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0, 0)].shape, self.acc_dtype)
+        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+        r2s_atom = sm100_utils.get_smem_store_op(
+            self.c_layout, self.c_dtype, self.acc_dtype, tiled_t2r
+        )
+        tiled_r2s = cute.make_tiled_copy_D(r2s_atom, tiled_t2r)
+        thr_r2s = tiled_r2s.get_slice(tidx)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_rC = tiled_r2s.retile(tTR_rC)
+        c_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.num_c_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(EPI_WARPS)),
+        )
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        epi_bar = self._epi_barrier()
+        acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                 self.num_acc_stage)
+        n_total = self.cfg.n if self.mode == MODE_M else self.cfg.k
+        subtiles = cute.size(tTR_tAcc_base, mode=[3]) * cute.size(tTR_tAcc_base, mode=[4])
+        epi_n = cute.size(tTR_tAcc_base, mode=[4])
+        c_iter = Int32(0)
+        unit, stride = self._work_range()
+        cur = self._start_cursor(offs)
+        cur = self._seek(offs, unit, cur)
+        while cur[0] < cute.size(offs):
+            row0, col0, c_l, valid_rows = self._out_tile(unit, v, cur)
+            has_acc = self._k_tiles(cur) > 0
+            full = valid_rows == self.cta_tile_mnk[0]
+            gC_tma = cute.flat_divide(
+                cute.local_tile(cute.domain_offset((row0, col0, c_l), mC_tma), cta_tile_mn,
+                                (0, 0, 0)),
+                self.epi_tile,
+            )
+            bSG_sC, bSG_gC = cpasync.tma_partition(
+                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                cute.group_modes(gC_tma, 0, 2),
+            )
+            tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_state.index)]
+            acc_pipe.consumer_wait(acc_state)
+            for s in cutlass.range(subtiles, unroll=1):
+                em = s // epi_n
+                en = s % epi_n
+                if has_acc:
+                    cute.copy(tiled_t2r, tTR_tAcc[(None, None, None, em, en)], tTR_rAcc)
+                else:
+                    tTR_rAcc.fill(0.0)
+                tRS_rC.store(tiled_r2s.retile(tTR_rAcc).load().to(self.c_dtype))
+                if full:
+                    buf = c_iter % self.num_c_stage
+                    cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_bar.arrive_and_wait()
+                    if warp_idx == EPI_WARPS[0]:
+                        cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, em, en)])
+                        c_pipe.producer_commit()
+                        c_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
+                    c_iter = c_iter + 1
+                else:
+                    self._store_predicated(
+                        tTR_rC, tTR_cC[(None, None, None, em, en)], mC, row0, col0, c_l,
+                        valid_rows, n_total,
+                    )
+            cute.arch.fence_view_async_tmem_load()
+            acc_pipe.consumer_release(acc_state)
+            acc_state.advance()
+            unit = unit + stride
+            cur = self._seek(offs, unit, cur)
+        c_pipe.producer_tail()
+
+    @cute.jit
+    def _store_predicated(self, tTR_rC, tTR_cC, mC, row0, col0, c_l, valid_rows, n_total):
+        """The last tile of a group (M-grouped): each thread stores its own elements whose row
+        is inside the group and column inside N (rows past the group belong to the next one)."""
+        for i in cutlass.range_constexpr(cute.size(tTR_rC)):
+            r, c = tTR_cC[i]
+            if r < valid_rows and col0 + c < n_total:
+                mC[(row0 + r, col0 + c, c_l)] = tTR_rC[i]
+
+
+# ---------------------------------------------------------------------------------------------
+# host entry points
+# ---------------------------------------------------------------------------------------------
+
+_CACHE = CompileCache()
+
+
+def _max_active_clusters(device: torch.device, cluster_size: int) -> int:
+    """Persistent grid size: clusters that fit at once (GPC shapes can leave SMs unpaired)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _max_active_clusters_cached(index, cluster_size)
+
+
+@functools.cache
+def _max_active_clusters_cached(index: int, cluster_size: int) -> int:
+    # The driver query loads a probe kernel: once per device and cluster size, never per call.
+    try:
+        return utils.HardwareInfo(index).get_max_active_clusters(cluster_size)
+    except Exception:  # driver query unavailable: one cluster per cluster_size SMs
+        return torch.cuda.get_device_properties(index).multi_processor_count // cluster_size
+
+
+def _ptr(dtype, addr: int, align: int = 16):
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_kernel(config: Sm100GroupedConfig, max_active_clusters: int, stream=None,
+                   options: str | None = None):
+    """Compile one configuration for ``target_arch()`` (cached per config, arch and cluster
+    count). Token count, group count and buffer sizes are runtime Int32 arguments, so the same
+    compile serves every call and CPU CI compiles exactly what the GPU runs."""
+
+    def build():
+        kern = Sm100GroupedBlockScaledGemm(config)
+        c_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[
+            config.out_dtype
+        ]
+        fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8
+        ptrs = [_ptr(t, 0) for t in (fp8, fp8, u8, u8, c_dtype)] + [_ptr(Int32, 0, OFFS_ALIGN)]
+        st = stream if stream is not None else cute.runtime.make_fake_stream()
+        kw = {"options": options} if options else {}
+        return cute.compile(kern, *ptrs, Int32(1), Int32(1), Int32(TILE_BYTES),
+                            Int32(TILE_BYTES), max_active_clusters, st, **kw)
+
+    key = (config, max_active_clusters, target_arch(), options)
+    return _CACHE.get(key, build)
+
+
+def _run(problem: ggc.GroupedProblem, a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor):
+    """Launch on the current stream (no host sync). Returns the output tensor."""
+    cfg = select_config(problem)
+    kern = Sm100GroupedBlockScaledGemm(cfg)
+    ok, why = kern.can_implement(problem)
+    if not ok:
+        raise ValueError(f"sm100 grouped GEMM cannot run this problem: {why}")
+    out = ggc.alloc_output(problem)
+    if problem.m == 0:
+        return out.zero_()
+    for t in (a.data, b.data, a.scale, b.scale, out):
+        if t.data_ptr() % 16:
+            raise ValueError("sm100 grouped GEMM needs 16-byte aligned buffers")
+    clusters = _max_active_clusters(a.device, 2 if cfg.two_cta else 1)
+    stream = current_stream()
+    fn = compile_kernel(cfg, clusters, stream)
+    c_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[
+        problem.out_dtype
+    ]
+    fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8
+    fn(
+        _ptr(fp8, a.data.data_ptr()), _ptr(fp8, b.data.data_ptr()),
+        _ptr(u8, a.scale.data_ptr()), _ptr(u8, b.scale.data_ptr()),
+        _ptr(c_dtype, out.data_ptr()), _ptr(Int32, offs.data_ptr(), OFFS_ALIGN),
+        Int32(problem.m), Int32(problem.num_groups),
+        Int32(a.scale.numel() // TILE_BYTES * TILE_BYTES),
+        Int32(b.scale.numel() // TILE_BYTES * TILE_BYTES), stream,
+    )
+    return out
+
+
+def _grouped_mm_m_unchecked(a, b, offs, out_dtype=torch.bfloat16):
+    return _run(ggc.describe_m(a, b, offs, out_dtype), a, b, offs)
+
+
+def _grouped_mm_k_unchecked(a, b, offs, out_dtype=torch.bfloat16):
+    return _run(ggc.describe_k(a, b, offs, out_dtype), a, b, offs)
+
+
+def grouped_mm_m(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """M-grouped 2D x 3D MXFP8 GEMM on Blackwell: ``(M, K) x (E, N, K) -> (M, N)``."""
+    from moe_mxfp8 import selfcheck
+
+    selfcheck.ensure_verified("sm100.grouped_mm_m", _grouped_mm_m_unchecked, a.device)
+    return _grouped_mm_m_unchecked(a, b, offs, out_dtype)
+
+
+def grouped_mm_k(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """K-grouped 2D x 2D MXFP8 GEMM on Blackwell: ``(N, M) x (K, M) -> (E, N, K)``."""
+    from moe_mxfp8 import selfcheck
+
+    selfcheck.ensure_verified("sm100.grouped_mm_k", _grouped_mm_k_unchecked, a.device)
+    return _grouped_mm_k_unchecked(a, b, offs, out_dtype)
+
+
+grouped_mm_ref = R.grouped_mm  # the pure-PyTorch definition these kernels are checked against

@@ -1,0 +1,666 @@
+"""Hopper (sm_90a) grouped MXFP8 GEMM: FP8 e4m3 ``wgmma`` with per-32 scale promotion.
+
+Two variants of one kernel class (`Sm90GroupedGemm`, ``config.variant``):
+
+* ``"m"`` -- 2D x 3D M-grouped (fprop ``Y_g = X_g W_g^T``, dgrad ``dX_g = dY_g W_g``):
+  ``a (M, K)`` rowwise with grouped-rows packed scales, ``b (E, N, K)`` expert weights ->
+  ``out (M, N)``; the rows of group g use expert g.
+* ``"k"`` -- 2D x 2D K-grouped (wgrad ``dW_g = dY_g^T X_g``): ``a (N, M)``, ``b (K, M)`` both
+  quantized along the tokens M per group -> ``out (E, N, K)``; empty groups give zeros.
+
+Structure (one CTA = one 128 x 128 output tile; 384 threads = 3 warpgroups):
+
+* warp 0 (producer): TMA of the A and B tiles (128 rows x 128 K bytes each) into an
+  ``S``-stage smem ring (PipelineTmaAsync), the tile origin read from ``offs`` on the GPU.
+  K-grouped groups whose first token is not 16-byte aligned cannot be TMA'd (Hopper traps with
+  "illegal instruction" on an unaligned innermost TMA coordinate, seen on the device): for
+  those this warp copies the window itself (4-byte loads + funnel shift, `copy_producer`) --
+  correct but ~20x slower (measured, docs/NOTES.md "Hopper grouped GEMM");
+* warps 1-3 (scales, k-tiles round-robin): read the two 512-byte packed scale tiles of each
+  k-tile (one packed tile is exactly 128 rows x 4 blocks = one k-tile, see
+  `grouped_gemm_common`), convert the E8M0 bytes to fp32 and write them to smem in the order the
+  consumers read them, then arrive on the same "full" mbarrier as the TMA (the barrier counts
+  1 TMA arrive + 32 scale-lane arrives);
+* warpgroups 1, 2 (consumers, 64 rows each): per k=32 step (one scale block) one
+  ``wgmma.m64n128k32`` into a temporary accumulator, then "promotion"
+  ``acc += tmp * (sa[row] * sb[col])`` on the CUDA cores. Two temporaries alternate so that the
+  next step's wgmma runs while the previous one is promoted.
+* epilogue: predicated direct stores (rows masked by the group end, columns by N).
+
+Group structure comes from ``offs`` on the device (no host sync): a CTA of variant "m" finds its
+group by a warp-parallel prefix scan over ``offs``; the grid is a static bound of m-tiles
+(`grouped_gemm_common.m_tiles_bound`) and tiles past the real count exit. Variant "k" puts the
+group on ``blockIdx.z``; its last k-tile reads the next group's tokens, which are zeroed in smem
+(both operands, so garbage x 0 cannot make NaN) before the wgmma, with ``fence.proxy.async``.
+
+Scale modes: 1x32 x 1x32 (default; the row scale times the column scale is formed per element,
+2 FP32 ops per element per k-step) and the 32x32 weight mode (``b.block_rows == 32``: one
+column scale per 32 output columns, so the 8 distinct products per thread are formed once and
+promotion is one FFMA per element).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory  # noqa: F401  (SmemAllocator)
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import Float32, Int32
+
+from moe_mxfp8 import reference as R
+
+from . import grouped_gemm_common as GC
+from .common import CompileCache, current_stream, target_arch
+
+VARIANTS = ("m", "k")
+TILE_M = 128  # two consumer warpgroups of 64 rows; equals the packed scale tile's 128 rows
+TILE_N = 128  # one packed scale tile of B per k-tile
+TILE_K = 128  # 4 scale blocks = one packed 512-byte tile = the 128-byte smem swizzle row
+MMA_K = 32  # one fp8 wgmma step == one scale block
+BLOCKS_PER_KTILE = TILE_K // MMA_K
+SCALE_TILE_WORDS = 128  # 512 bytes as int32 words
+THREADS_PER_WG = 128
+NUM_CONSUMER_WG = 2
+NUM_THREADS = THREADS_PER_WG * (1 + NUM_CONSUMER_WG)
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+SMEM_RESERVE = 2048  # barriers + alignment slack
+MAX_STAGES = 8
+E8M0_NAN = 0xFF
+F32_NAN_BITS = 0x7FC00000
+CONSUMER_BARRIER_ID = 1
+TMA_INNER_ALIGN = 16  # bytes (= fp8 tokens): TMA's innermost coordinate must be 16B aligned
+COPY_ROWS = 8  # rows per batch of independent loads in the slow copy path
+SCALE_WARPS = 3  # producer-warpgroup warps 1..3 convert scales
+SFA_STRIDE = TILE_M  # fp32 row scales per block
+SFB_Q_STRIDE = TILE_N // 4 + 4  # 32 column scales per lane%4 group + 4 pad (bank spread)
+SFB_STRIDE = 4 * SFB_Q_STRIDE
+
+
+@dataclass(frozen=True)
+class Sm90GroupedGemmConfig:
+    """Compile-time choices. ``variant``: "m" or "k"; ``b_block_rows``: 1 or 32."""
+
+    variant: str = "m"
+    out_dtype: str = "bfloat16"  # "bfloat16" or "float32"
+    b_block_rows: int = 1
+    stages: int = 0  # 0: as many as fit in shared memory (<= MAX_STAGES)
+    double_tmp: bool = True  # two temporaries: promote step j while wgmma j+1 runs
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.b_block_rows not in (1, 32):
+            raise ValueError("b_block_rows must be 1 or 32")
+        if self.variant == "k" and self.b_block_rows != 1:
+            raise ValueError("the K-grouped variant uses 1x32 blocks only")
+
+
+def _cutlass_out_dtype(name: str):
+    return {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}[name]
+
+
+class Sm90GroupedGemm:
+    """Grouped MXFP8 GEMM for sm_90a; see the module docstring."""
+
+    def __init__(self, config: Sm90GroupedGemmConfig):
+        self.cfg = config
+        self.is_m = config.variant == "m"
+        self.block32 = config.b_block_rows == 32
+        self.out_dtype = _cutlass_out_dtype(config.out_dtype)
+        self.ab_dtype = cutlass.Float8E4M3FN
+        ab_stage_bytes = (TILE_M + TILE_N) * TILE_K
+        sf_stage_bytes = BLOCKS_PER_KTILE * (SFA_STRIDE + SFB_STRIDE) * 4
+        self.stage_bytes = ab_stage_bytes + sf_stage_bytes
+        cap = utils.get_smem_capacity_in_bytes("sm_90")
+        self.stages = config.stages or min(MAX_STAGES, (cap - SMEM_RESERVE) // self.stage_bytes)
+        self.tx_bytes = ab_stage_bytes
+
+    # ------------------------------------------------------------------ host-side (traced)
+    def _smem_layouts(self):
+        def one(rows):
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype,
+                                                TILE_K),
+                self.ab_dtype,
+            )
+            return cute.tile_to_shape(atom, (rows, TILE_K, self.stages), order=(0, 1, 2))
+
+        return one(TILE_M), one(TILE_N)
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOut: cute.Tensor, sfA: cute.Tensor,
+                 sfB: cute.Tensor, offs: cute.Tensor, stream):
+        """``m``: mA (M, K), mB (N, K, E), mOut (M, N). ``k``: mA (N, M), mB (K, M),
+        mOut (N, K, E). sfA/sfB: packed scales as int32 words. offs: (E,) int32."""
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            Float32, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, TILE_N),
+        )
+        a_layout, b_layout = self._smem_layouts()
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, mA, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K))
+        tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, mB, cute.slice_(b_layout, (None, None, 0)), (TILE_N, TILE_K))
+        num_groups = cute.size(offs, mode=[0])
+        if cutlass.const_expr(self.is_m):
+            m_rows = cute.size(mA, mode=[0])
+            n_cols = cute.size(mB, mode=[0])
+            # static bound of sum_g ceil(m_g / TILE_M) (grouped_gemm_common.m_tiles_bound)
+            grid = ((n_cols + TILE_N - 1) // TILE_N,
+                    (m_rows + (TILE_M - 1) * num_groups) // TILE_M, 1)
+        else:
+            grid = ((cute.size(mB, mode=[0]) + TILE_N - 1) // TILE_N,
+                    (cute.size(mA, mode=[0]) + TILE_M - 1) // TILE_M, num_groups)
+
+        stages = self.stages
+
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_layout)],
+                                  1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)],
+                                  1024]
+            sSFA: cute.struct.Align[
+                cute.struct.MemRange[Float32, stages * BLOCKS_PER_KTILE * SFA_STRIDE], 16]
+            sSFB: cute.struct.Align[
+                cute.struct.MemRange[Float32, stages * BLOCKS_PER_KTILE * SFB_STRIDE], 16]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_a, tA, tma_b, tB, mA, mB, mOut, sfA, sfB, offs, self.tiled_mma,
+                    a_layout, b_layout).launch(grid=grid, block=[NUM_THREADS, 1, 1],
+                                               min_blocks_per_mp=1,
+                                     stream=stream)
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom,
+               tB: cute.Tensor, mA: cute.Tensor, mB: cute.Tensor, mOut: cute.Tensor,
+               sfA: cute.Tensor, sfB: cute.Tensor,
+               offs: cute.Tensor, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout,
+               b_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, bidz = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(),
+            num_stages=self.stages,
+            # full barrier: 1 TMA arrive (with the byte count) + 32 scale-warp arrives
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     NUM_CONSUMER_WG * 4),
+            tx_count=self.tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        sSFA = storage.sSFA.get_tensor(
+            cute.make_layout((SFA_STRIDE, BLOCKS_PER_KTILE, self.stages)))
+        sSFB = storage.sSFB.get_tensor(
+            cute.make_layout((SFB_STRIDE, BLOCKS_PER_KTILE, self.stages)))
+
+        # ---- work decode: every warp computes the same values (warp-uniform)
+        valid, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, grp = \
+            self.decode_tile(tA, tB, offs, bidx, bidy, bidz)
+
+        if valid:
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp_idx == 0:
+                    tma_ok = True
+                    if cutlass.const_expr(not self.is_m):
+                        # TMA needs a 16-byte aligned innermost (token) coordinate: groups that
+                        # start elsewhere are copied by this warp (slow path, see copy_window)
+                        tma_ok = row0 % TMA_INNER_ALIGN == 0
+                    if tma_ok:
+                        self.tma_producer(pipe, tma_a, tA, tma_b, tB, sA, sB, row0, bidx, bidy,
+                                          grp, k_tiles)
+                    else:
+                        self.copy_producer(pipe, mA, mB, storage.sA.data_ptr(),
+                                           storage.sB.data_ptr(), row0, row_end, bidx, bidy,
+                                           k_tiles)
+                if warp_idx > 0:
+                    self.scale_producer(pipe, sfA, sfB, sSFA, sSFB, a_tile0, b_tile0, k_tiles,
+                                        warp_idx - 1)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                self.consumer(pipe, tiled_mma, sA, sB, sSFA, sSFB, mOut, tidx, wg_idx, row0,
+                              row_end, bidx, bidy, grp, k_tiles, tok_valid_last)
+
+    @cute.jit
+    def decode_tile(self, tA: cute.Tensor, tB: cute.Tensor, offs: cute.Tensor, bidx: Int32,
+                    bidy: Int32, bidz: Int32):
+        """(valid, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, group)."""
+        num_groups = cute.size(offs, mode=[0])
+        valid = cutlass.Boolean(True)
+        row0 = Int32(0)
+        row_end = Int32(0)
+        a_tile0 = Int32(0)
+        b_tile0 = Int32(0)
+        k_tiles = Int32(0)
+        tok_valid_last = Int32(TILE_K)
+        grp = Int32(0)
+        if cutlass.const_expr(self.is_m):
+            m_rows = cute.size(tA, mode=[0])
+            k_len = cute.size(tA, mode=[1])
+            n_len = cute.size(tB, mode=[0])
+            g, start, end, tiles_before = GC.find_m_tile_group(offs, num_groups, bidy, TILE_M)
+            valid = g >= 0
+            grp = g
+            row0 = start + (bidy - tiles_before) * TILE_M
+            row_end = cutlass.min(end, m_rows)
+            k_tiles = (k_len + TILE_K - 1) // TILE_K
+            t_k = (k_len + 127) // 128  # packed tiles per 128-row tile: ceil(ceil(K/32)/4)
+            # grouped-rows packing: the m-tile's packed row tile equals the global m-tile index
+            a_tile0 = bidy * t_k
+            b_tile0 = (g * ((n_len + 127) // 128) + bidx) * t_k
+        else:
+            n_len = cute.size(tA, mode=[0])
+            k_len = cute.size(tB, mode=[0])
+            m_tok = cute.size(tA, mode=[1])
+            grp = bidz
+            start = Int32(0)
+            if bidz > 0:
+                start = offs[bidz - 1]
+            end = cutlass.min(offs[bidz], m_tok)
+            ntok = cutlass.max(end - start, 0)
+            row0 = start
+            row_end = end
+            k_tiles = (ntok + TILE_K - 1) // TILE_K
+            tok_valid_last = ntok - (k_tiles - 1) * TILE_K
+            before = GC.sum_tiles_before(offs, bidz, TILE_K)
+            # group g's packed matrix starts at tile (Rp/128) * sum_{h<g} ceil(m_h/128)
+            a_tile0 = ((n_len + 127) // 128) * before + bidy * k_tiles
+            b_tile0 = ((k_len + 127) // 128) * before + bidx * k_tiles
+        return valid, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, grp
+
+    @cute.jit
+    def tma_producer(self, pipe, tma_a, tA: cute.Tensor, tma_b, tB: cute.Tensor,
+                     sA: cute.Tensor, sB: cute.Tensor, row0: Int32, bidx: Int32, bidy: Int32,
+                     grp: Int32, k_tiles: Int32):
+        if cutlass.const_expr(self.is_m):
+            gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (TILE_M, TILE_K),
+                                 (0, None))
+            gB = cute.local_tile(tB, (TILE_N, TILE_K, 1), (bidx, None, grp))
+            gB = gB[(None, None, 0, None)]
+        else:
+            gA = cute.local_tile(cute.domain_offset((0, row0), tA), (TILE_M, TILE_K),
+                                 (bidy, None))
+            gB = cute.local_tile(cute.domain_offset((0, row0), tB), (TILE_N, TILE_K),
+                                 (bidx, None))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for kt in range(k_tiles):
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            pipe.producer_commit(state)
+            state.advance()
+
+    @cute.jit
+    def copy_producer(self, pipe, mA: cute.Tensor, mB: cute.Tensor, pA, pB, tok_start: Int32,
+                      tok_end: Int32, bidx: Int32, bidy: Int32, k_tiles: Int32):
+        """K-grouped slow path for a group whose first token is not 16-byte aligned (TMA
+        cannot start there): the warp copies each k-tile window with 4-byte loads + funnel
+        shifts into the 128B-swizzled stage, zero past the group end, then arrives."""
+        lane = cute.arch.lane_idx()
+        sA_w = cute.make_tensor(cute.recast_ptr(pA, dtype=Int32),
+                                cute.make_layout(self.stages * TILE_M * TILE_K // 4))
+        sB_w = cute.make_tensor(cute.recast_ptr(pB, dtype=Int32),
+                                cute.make_layout(self.stages * TILE_N * TILE_K // 4))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for kt in range(k_tiles):
+            pipe.sync_object_empty.wait(state.index, state.phase)
+            t0 = tok_start + kt * TILE_K
+            self.copy_window(mA, sA_w, state.index, bidy * TILE_M, t0, tok_end, lane)
+            self.copy_window(mB, sB_w, state.index, bidx * TILE_N, t0, tok_end, lane)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def copy_window(self, mSrc: cute.Tensor, sDst: cute.Tensor, stage: Int32, row_base: Int32,
+                    t0: Int32, t_end: Int32, lane: Int32):
+        """Tokens [t0, t0+128) of 128 rows -> swizzled smem words; lane i makes word i."""
+        n_rows = cute.size(mSrc, mode=[0])
+        row_words = cute.size(mSrc, mode=[1]) // 4
+        gw = cute.make_tensor(cute.recast_ptr(mSrc.iterator, dtype=Int32),
+                              cute.make_layout(n_rows * row_words))
+        wbase = t0 // 4
+        sh = (t0 % 4) * 8
+        nvalid = cutlass.min(cutlass.max(t_end - (t0 + 4 * lane), 0), 4)
+        mask = Int32(-1)
+        if nvalid < 4:
+            mask = (Int32(1) << (8 * nvalid)) - 1
+        lo_ok = (wbase + lane) * 4 < t_end
+        hi_ok = lane == 31 and (wbase + 32) * 4 < t_end
+        for rb in range(0, TILE_K, COPY_ROWS):
+            lo = cute.make_rmem_tensor((COPY_ROWS,), Int32)
+            ext = cute.make_rmem_tensor((COPY_ROWS,), Int32)
+            for u in cutlass.range_constexpr(COPY_ROWS):
+                grow = row_base + rb + u
+                lo[u] = 0
+                ext[u] = 0
+                if grow < n_rows and lo_ok:
+                    lo[u] = gw[grow * row_words + wbase + lane]
+                if grow < n_rows and hi_ok:
+                    ext[u] = gw[grow * row_words + wbase + 32]
+            for u in cutlass.range_constexpr(COPY_ROWS):
+                r = rb + u
+                hi = cute.arch.shuffle_sync_down(lo[u], 1)
+                if lane == 31:
+                    hi = ext[u]
+                out = lo[u]
+                if sh != 0:
+                    out = Int32((cutlass.Uint32(lo[u]) >> sh) | (cutlass.Uint32(hi) << (32 - sh)))
+                sDst[stage * (TILE_K * TILE_K // 4) + r * 32 + (lane ^ ((r % 8) * 4))] = out & mask
+
+    @cute.jit
+    def scale_producer(self, pipe, sfA: cute.Tensor, sfB: cute.Tensor, sSFA: cute.Tensor,
+                       sSFB: cute.Tensor, a_tile0: Int32, b_tile0: Int32, k_tiles: Int32,
+                       which: Int32):
+        """E8M0 bytes -> fp32 in smem, in the order the consumer threads read them.
+
+        Lane l holds packed word w of a tile: rows ``r = l + 32 w``, its 4 bytes = blocks 0..3.
+        A rows are stored at ``pos_a(r)`` (each consumer thread's two rows r, r+8 adjacent);
+        B columns at ``pos_b(c) = q*36 + j*2 + e`` for ``c = 8j + 2q + e`` (a thread's 32
+        columns contiguous: 8 x 16-byte loads; the 4-float pad per q keeps the four q-groups of
+        a warp on different banks).
+        SCALE_WARPS warps take k-tiles round-robin (``kt % SCALE_WARPS == which``): one warp's
+        loop is bound by its global-load latency (~1 us per k-tile measured as the 32x32-mode
+        bottleneck), so three warps keep ahead of the consumers.
+        """
+        lane = cute.arch.lane_idx()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for kt in range(k_tiles):
+            if kt % SCALE_WARPS == which:
+                wa = cute.make_rmem_tensor((4,), Int32)
+                wb = cute.make_rmem_tensor((4,), Int32)
+                # the loads do not depend on the free slot: issue them before waiting
+                for w in cutlass.range_constexpr(4):
+                    wa[w] = sfA[(a_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
+                    wb[w] = sfB[(b_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
+                pipe.sync_object_empty.wait(state.index, state.phase)
+                for w in cutlass.range_constexpr(4):
+                    r = lane + 32 * w
+                    pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
+                    pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
+                    for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                        sSFA[pos_a, c, state.index] = _e8m0_to_f32((wa[w] >> (8 * c)) & 0xFF)
+                        sSFB[pos_b, c, state.index] = _e8m0_to_f32((wb[w] >> (8 * c)) & 0xFF)
+                cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def zero_tail(self, sA: cute.Tensor, sB: cute.Tensor, stage: Int32, ct: Int32,
+                  valid_tok: Int32):
+        """Zero token columns >= valid_tok of both operands' stage (K-grouped last k-tile)."""
+        # the mbarrier spin of consumer_wait can leave a warp diverged; bar.sync is aligned
+        cute.arch.sync_warp()
+        for it in range(TILE_M * TILE_K // (THREADS_PER_WG * NUM_CONSUMER_WG)):
+            idx = ct + it * THREADS_PER_WG * NUM_CONSUMER_WG
+            r = idx // TILE_K
+            c = idx % TILE_K
+            if c >= valid_tok:
+                sA[r, c, stage] = self.ab_dtype(0.0)
+                sB[r, c, stage] = self.ab_dtype(0.0)
+        # the generic-proxy stores must be visible to the wgmma (async proxy)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER_ID,
+                              num_threads=THREADS_PER_WG * NUM_CONSUMER_WG).arrive_and_wait()
+
+    @cute.jit
+    def consumer(self, pipe, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor,
+                 sSFA: cute.Tensor, sSFB: cute.Tensor, mOut: cute.Tensor, tidx: Int32,
+                 wg_idx: Int32, row0: Int32, row_end: Int32, bidx: Int32, bidy: Int32,
+                 grp: Int32, k_tiles: Int32, tok_valid_last: Int32):
+        cwg = wg_idx - 1
+        ct = tidx - THREADS_PER_WG  # 0..255 over both consumer warpgroups
+        lane = ct % 32
+        warp_in_wg = (ct % THREADS_PER_WG) // 32
+        thr_mma = tiled_mma.get_slice(cwg * THREADS_PER_WG)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
+        tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
+        acc.fill(0.0)
+        # this thread's scale offsets inside a stage (see scale_producer)
+        pos_a = ((cwg * 4 + warp_in_wg) * 8 + lane // 4) * 2
+        q = lane % 4
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for kt in range(k_tiles):
+            pipe.consumer_wait(state)
+            stage = state.index
+            if cutlass.const_expr(not self.is_m):
+                # (the slow copy path zero-fills past the group end itself)
+                if kt == k_tiles - 1 and tok_valid_last < TILE_K and row0 % TMA_INNER_ALIGN == 0:
+                    self.zero_tail(sA, sB, stage, ct, tok_valid_last)
+            if cutlass.const_expr(self.cfg.double_tmp):
+                self.mma_step(tiled_mma, tmp0, tCrA, tCrB, 0, stage)
+                self.mma_step(tiled_mma, tmp1, tCrA, tCrB, 1, stage)
+                cute.nvgpu.warpgroup.wait_group(1)
+                self.promote(acc, tmp0, sSFA, sSFB, stage, 0, pos_a, q)
+                self.mma_step(tiled_mma, tmp0, tCrA, tCrB, 2, stage)
+                cute.nvgpu.warpgroup.wait_group(1)
+                self.promote(acc, tmp1, sSFA, sSFB, stage, 1, pos_a, q)
+                self.mma_step(tiled_mma, tmp1, tCrA, tCrB, 3, stage)
+                cute.nvgpu.warpgroup.wait_group(1)
+                self.promote(acc, tmp0, sSFA, sSFB, stage, 2, pos_a, q)
+                cute.nvgpu.warpgroup.wait_group(0)
+                self.promote(acc, tmp1, sSFA, sSFB, stage, 3, pos_a, q)
+            else:
+                for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                    self.mma_step(tiled_mma, tmp0, tCrA, tCrB, blk, stage)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    self.promote(acc, tmp0, sSFA, sSFB, stage, blk, pos_a, q)
+            pipe.consumer_release(state)
+            state.advance()
+
+        self.epilogue(acc, mOut, cwg, warp_in_wg, lane, row0, row_end, bidx, bidy, grp)
+
+    @cute.jit
+    def mma_step(self, tiled_mma: cute.TiledMma, tmp: cute.Tensor, tCrA: cute.Tensor,
+                 tCrB: cute.Tensor, blk: cutlass.Constexpr[int], stage: Int32):
+        """tmp = A[:, blk] . B[:, blk]^T: one wgmma k=32 step, i.e. one scale block."""
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        cute.nvgpu.warpgroup.fence()
+        cute.gemm(tiled_mma, tmp, tCrA[(None, None, blk, stage)],
+                  tCrB[(None, None, blk, stage)], tmp)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def promote(self, acc: cute.Tensor, tmp: cute.Tensor, sSFA: cute.Tensor,
+                sSFB: cute.Tensor, stage: Int32,
+                blk: cutlass.Constexpr[int], pos_a: Int32, q: Int32):
+        """acc += tmp * sa[row] * sb[col] for scale block ``blk``.
+
+        Accumulator fragment of wgmma m64nN (fp32): value i sits at row ``lane/4 + 8*((i/2)%2)``
+        and column ``8*(i/4) + 2*(lane%4) + i%2`` of the warp's 16-row slab.
+        """
+        sa0 = sSFA[pos_a, blk, stage]
+        sa1 = sSFA[pos_a + 1, blk, stage]
+        if cutlass.const_expr(self.block32):
+            # one column scale per 32 columns: 4 column groups x 2 rows = 8 products
+            prods = cute.make_rmem_tensor((2, TILE_N // 32), Float32)
+            for cg in cutlass.range_constexpr(TILE_N // 32):
+                sb = sSFB[8 * cg, blk, stage]  # column 32*cg: j = 4*cg, q = 0, e = 0
+                prods[0, cg] = sa0 * sb
+                prods[1, cg] = sa1 * sb
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + tmp[i] * prods[(i // 2) % 2, (i // 4) // 4]
+        else:
+            sbv = cute.make_rmem_tensor((TILE_N // 4,), Float32)
+            sb_view = cute.make_tensor(sSFB[(None, blk, stage)].iterator + q * SFB_Q_STRIDE,
+                                       cute.make_layout((TILE_N // 4,)))
+            sbv.store(sb_view.load())
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                sa = sa0 if (i // 2) % 2 == 0 else sa1
+                acc[i] = acc[i] + tmp[i] * (sa * sbv[(i // 4) * 2 + i % 2])
+
+    @cute.jit
+    def epilogue(self, acc: cute.Tensor, mOut: cute.Tensor, cwg: Int32, warp_in_wg: Int32,
+                 lane: Int32, row0: Int32, row_end: Int32, bidx: Int32, bidy: Int32,
+                 grp: Int32):
+        out = cute.make_rmem_tensor(acc.shape, self.out_dtype)
+        out.store(acc.load().to(self.out_dtype))
+        r_base = cwg * 64 + warp_in_wg * 16 + lane // 4
+        c_base = bidx * TILE_N + (lane % 4) * 2
+        if cutlass.const_expr(self.is_m):
+            n_len = cute.size(mOut, mode=[1])
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row = row0 + r_base + 8 * ((i // 2) % 2)
+                col = c_base + 8 * (i // 4) + i % 2
+                if row < row_end and col < n_len:
+                    mOut[row, col] = out[i]
+        else:
+            n_len = cute.size(mOut, mode=[0])
+            k_len = cute.size(mOut, mode=[1])
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row = bidy * TILE_M + r_base + 8 * ((i // 2) % 2)
+                col = c_base + 8 * (i // 4) + i % 2
+                if row < n_len and col < k_len:
+                    mOut[row, col, grp] = out[i]
+
+
+@cute.jit
+def _e8m0_to_f32(byte: Int32) -> Float32:
+    """2^(byte-127) built from the bits (byte 0 gives 0, not 2^-127); 0xFF gives NaN."""
+    bits = byte << 23
+    if byte == E8M0_NAN:
+        bits = Int32(F32_NAN_BITS)
+    return bits.bitcast(Float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# host entry points
+# ---------------------------------------------------------------------------------------------
+
+_CACHE = CompileCache()
+
+
+def _dyn(t: torch.Tensor, leading_dim: int):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=leading_dim)
+
+
+def _words(scale: torch.Tensor) -> torch.Tensor:
+    """Packed scale bytes viewed as int32 words (sizes are multiples of 512 bytes)."""
+    return scale.reshape(-1).view(torch.int32)
+
+
+def _run(cfg: Sm90GroupedGemmConfig, key_static: tuple, tensors: list, out: torch.Tensor):
+    args = [_dyn(t, ld) for t, ld in tensors]
+    stream = current_stream()
+    key = (cfg, key_static, target_arch())
+    fn = _CACHE.get(key, lambda: cute.compile(Sm90GroupedGemm(cfg), *args, stream))
+    fn(*args, stream)
+    return out
+
+
+def _output(p: GC.GroupedProblem, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return GC.alloc_output(p)
+    if out.shape != p.out_shape or out.dtype != p.out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {p.out_dtype} tensor of shape {p.out_shape}")
+    return out
+
+
+def grouped_mm_m(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
+                 out: torch.Tensor | None = None):
+    """2D x 3D M-grouped MXFP8 GEMM on sm_90a (see `moe_mxfp8.gemm.grouped_mm_m`).
+
+    ``out`` (optional, tests): a preallocated output that the kernel overwrites entirely.
+    """
+    p = GC.describe_m(a, b, offs, out_dtype)
+    GC.check_implementable(p, n_multiple=32, k_multiple=32)
+    out = _output(p, out)
+    if p.m == 0:
+        return out
+    cfg = Sm90GroupedGemmConfig("m", str(out_dtype).split(".")[-1], b.block_rows)
+    tensors = [(a.data, 1), (b.data.permute(1, 2, 0), 1), (out, 1), (_words(a.scale), 0),
+               (_words(b.scale), 0), (offs, 0)]
+    return _run(cfg, p.static_key(), tensors, out)
+
+
+def grouped_mm_k(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
+                 out: torch.Tensor | None = None):
+    """2D x 2D K-grouped (wgrad) MXFP8 GEMM on sm_90a (see `moe_mxfp8.gemm.grouped_mm_k`)."""
+    p = GC.describe_k(a, b, offs, out_dtype)
+    # TMA reads tokens along rows: a 16-byte aligned row stride needs M % 16 == 0
+    GC.check_implementable(p, n_multiple=32, k_multiple=32, m_multiple=16)
+    out = _output(p, out)
+    if p.m == 0:
+        return out.zero_()
+    cfg = Sm90GroupedGemmConfig("k", str(out_dtype).split(".")[-1], 1)
+    tensors = [(a.data, 1), (b.data, 1), (out.permute(1, 2, 0), 1), (_words(a.scale), 0),
+               (_words(b.scale), 0), (offs, 0)]
+    return _run(cfg, p.static_key(), tensors, out)
+
+
+def grouped_mm_ref(a, b, offs, out_dtype=torch.bfloat16):
+    """The pure-PyTorch reference this kernel is tested against."""
+    return R.grouped_mm(a, b, offs, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# compile-only (CPU CI): fake tensors, symbolic token count
+# ---------------------------------------------------------------------------------------------
+
+
+def compile_fake(cfg: Sm90GroupedGemmConfig, n: int, k: int, options: str | None = None):
+    """Compile ``cfg`` for ``$CUTE_DSL_ARCH`` with fake tensors (M and E symbolic)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    fp8 = cutlass.Float8E4M3FN
+    outd = _cutlass_out_dtype(cfg.out_dtype)
+    m = cute.sym_int()
+    e = cute.sym_int()
+    words_a = cute.sym_int()
+    words_b = cute.sym_int()
+    if cfg.variant == "m":
+        mA = make_fake_tensor(fp8, (m, k), (k, 1), assumed_align=16)
+        mB = make_fake_tensor(fp8, (n, k, e), (k, 1, n * k), assumed_align=16)
+        mOut = make_fake_tensor(outd, (m, n), (n, 1), assumed_align=16)
+    else:
+        ms = cute.sym_int(divisibility=16)
+        mA = make_fake_tensor(fp8, (n, m), (ms, 1), assumed_align=16)
+        mB = make_fake_tensor(fp8, (k, m), (ms, 1), assumed_align=16)
+        mOut = make_fake_tensor(outd, (n, k, e), (k, 1, n * k), assumed_align=16)
+    sfA = make_fake_compact_tensor(Int32, (words_a,), assumed_align=16)
+    sfB = make_fake_compact_tensor(Int32, (words_b,), assumed_align=16)
+    offs = make_fake_compact_tensor(Int32, (e,), assumed_align=4)
+    kw = {"options": options} if options else {}
+    return cute.compile(Sm90GroupedGemm(cfg), mA, mB, mOut, sfA, sfB, offs, make_fake_stream(),
+                        **kw)
+
+
+__all__ = ["Sm90GroupedGemm", "Sm90GroupedGemmConfig", "grouped_mm_m", "grouped_mm_k",
+           "grouped_mm_ref", "compile_fake"]

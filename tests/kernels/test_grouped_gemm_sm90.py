@@ -1,0 +1,312 @@
+"""Hopper grouped MXFP8 GEMM (kernels/grouped_gemm_sm90.py).
+
+CPU: every variant compiles for sm_90a with fake tensors (in a subprocess, since the DSL reads
+CUTE_DSL_ARCH), its SASS holds QGMMA and no local memory; argument errors are clear.
+GPU (@pytest.mark.gpu): fprop / dgrad / wgrad vs `moe_mxfp8.reference.grouped_mm` on fresh
+random data, outputs NaN-poisoned first so that every element must be written.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_mxfp8 import reference as R
+
+ROOT = Path(__file__).resolve().parents[2]
+BF16_TOL = 5e-3
+FP32_TOL = 1e-3
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: compile for sm_90a, inspect SASS
+# ---------------------------------------------------------------------------------------------
+
+VARIANTS = [("m", "bfloat16", 1), ("m", "float32", 1), ("m", "bfloat16", 32),
+            ("k", "bfloat16", 1), ("k", "float32", 1)]
+
+
+def _nvdisasm() -> str | None:
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    try:
+        import nvidia.cu13  # type: ignore
+
+        for base in nvidia.cu13.__path__:
+            cand = os.path.join(base, "bin", "nvdisasm")
+            if os.path.exists(cand):
+                return cand
+    except ImportError:
+        pass
+    return None
+
+
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import sys
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+    variant, out_dtype, br = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    K.compile_fake(K.Sm90GroupedGemmConfig(variant, out_dtype, br), 256, 512,
+                   options="--keep-cubin")
+    print("OK")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,out_dtype,block_rows", VARIANTS)
+def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, variant, out_dtype, block_rows):
+    pytest.importorskip("cutlass")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, variant, out_dtype,
+                          str(block_rows)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-4000:]
+    cubins = glob.glob(str(tmp_path / "*.cubin"))
+    assert cubins, "no cubin kept"
+    exe = _nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not installed")
+    sass = subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True).stdout
+    assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass
+    assert "LDL" not in sass and "STL" not in sass, "local-memory spill"
+    assert "UTMALDG" in sass
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: clear errors for shapes the kernel cannot run (checked before any compile)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fprop_operands(m, n, k, sizes, block_rows=1, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    assert int(offs[-1]) == m
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(len(sizes), n, k, generator=g) * 0.05).to(device, torch.bfloat16)
+    a = R.quantize_rowwise_ref(x, offs=offs)
+    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
+    return a, b, offs
+
+
+def test_rejects_n_not_multiple_of_32():
+    pytest.importorskip("cutlass")
+    from moe_mxfp8.kernels import grouped_gemm_common as GC
+
+    a, b, offs = _fprop_operands(64, 48, 64, [30, 34])
+    p = GC.describe_m(a, b, offs, torch.bfloat16)
+    ok, why = GC.can_implement(p, n_multiple=32, k_multiple=32)
+    assert not ok and "N = 48" in why and "multiple of 32" in why
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    with pytest.raises(ValueError, match="multiple of 32"):
+        K.grouped_mm_m(a, b, offs, torch.bfloat16)
+
+
+def test_rejects_k_grouped_tokens_not_multiple_of_16():
+    pytest.importorskip("cutlass")
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    dy = torch.randn(40, 32).to(torch.bfloat16)
+    offs = torch.tensor([17, 40], dtype=torch.int32)
+    a = R.quantize_colwise_ref(dy, offs=offs)
+    b = R.quantize_colwise_ref(x, offs=offs)
+    with pytest.raises(ValueError, match="M = 40 must be a multiple of 16"):
+        K.grouped_mm_k(a, b, offs, torch.bfloat16)
+
+
+def test_rejects_ungrouped_a_with_several_experts():
+    pytest.importorskip("cutlass")
+    from moe_mxfp8.kernels import grouped_gemm_common as GC
+
+    a, b, offs = _fprop_operands(64, 64, 64, [30, 34])
+    a_plain = R.quantize_rowwise_ref(a.dequantize(torch.float32))
+    with pytest.raises(ValueError, match="group_axis='rows'"):
+        GC.describe_m(a_plain, b, offs, torch.bfloat16)
+
+
+def test_tile_bounds():
+    from moe_mxfp8.kernels import grouped_gemm_common as GC
+
+    for sizes in ([0, 1, 31, 129, 300], [128] * 4, [0, 0, 5], [1000]):
+        m = sum(sizes)
+        real = sum(-(-s // 128) for s in sizes)
+        assert real <= GC.m_tiles_bound(m, len(sizes), 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: numerics vs the reference
+# ---------------------------------------------------------------------------------------------
+
+GROUPINGS = {
+    "E1": [384],
+    "E8_edge": [0, 1, 31, 129, 0, 200, 7, 0],  # empty / 1 / 31 / 129 / unbalanced
+    "E8_unbal": [1000, 3, 0, 0, 17, 256, 64, 8],
+    # multiples of 16 (wgrad: every group start 16-byte aligned -> TMA path + smem zeroing)
+    "E8_a16": [0, 48, 16, 256, 0, 112, 32, 16],
+}
+
+
+def _e128_sizes(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 40, (128,), generator=g)
+    sizes[::7] = 0
+    sizes[5] = 129
+    return sizes.tolist()
+
+
+def _sizes(name: str, seed: int) -> list[int]:
+    sizes = _e128_sizes(seed) if name == "E128" else list(GROUPINGS[name])
+    # wgrad needs M % 16 == 0 (TMA row stride); pad the last group
+    pad = (-sum(sizes)) % 16
+    sizes[-1] += pad
+    return sizes
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    ref = ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _check(out, ref, out_dtype):
+    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN output elements"
+    tol = BF16_TOL if out_dtype == torch.bfloat16 else FP32_TOL
+    err = _rel_err(out, ref)
+    assert err <= tol, f"relative error {err:.3e} > {tol}"
+
+
+def _offs(sizes, dev):
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E128"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_rows", [1, 32])
+def test_fprop_matches_reference(grouping, out_dtype, block_rows):
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    seed = hash((grouping, str(out_dtype), block_rows)) % 10000
+    torch.manual_seed(seed)
+    sizes = _sizes(grouping, seed)
+    m, n, k = sum(sizes), 160, 352  # N, K not multiples of 128
+    offs = _offs(sizes, dev)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+    a = R.quantize_rowwise_ref(x, offs=offs)
+    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
+    out = torch.full((m, n), float("nan"), device=dev, dtype=out_dtype)
+    K.grouped_mm_m(a, b, offs, out_dtype, out=out)
+    ref = R.grouped_mm(a, b, offs, torch.float32)
+    _check(out, ref, out_dtype)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E128"])
+@pytest.mark.parametrize("block_rows", [1, 32])
+def test_dgrad_matches_reference(grouping, block_rows):
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    seed = hash(("dgrad", grouping, block_rows)) % 10000
+    torch.manual_seed(seed)
+    sizes = _sizes(grouping, seed)
+    m, n, k = sum(sizes), 256, 96  # dY (M, N); W (E, N, K); dX (M, K)
+    offs = _offs(sizes, dev)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+    a = R.quantize_rowwise_ref(dy, offs=offs)
+    b = R.quantize_weights_ref(w, axis="N", block_rows=block_rows)  # data (E, K, N)
+    out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
+    K.grouped_mm_m(a, b, offs, torch.bfloat16, out=out)
+    ref = R.grouped_mm(a, b, offs, torch.float32)
+    _check(out, ref, torch.bfloat16)
+    # and against the unquantized product: the MXFP8 error itself stays small
+    w32 = w.float()
+    bounds = [0] + offs.tolist()
+    exact = torch.cat([dy[s:t].float() @ w32[g] for g, (s, t) in
+                       enumerate(zip(bounds[:-1], bounds[1:], strict=True))])
+    assert _rel_err(out, exact) < 0.08
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E8_a16", "E128"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_wgrad_matches_reference(grouping, out_dtype):
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    seed = hash(("wgrad", grouping, str(out_dtype))) % 10000
+    torch.manual_seed(seed)
+    sizes = _sizes(grouping, seed)
+    m, n, k = sum(sizes), 160, 288
+    offs = _offs(sizes, dev)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    a = R.quantize_colwise_ref(dy, offs=offs)  # (N, M)
+    b = R.quantize_colwise_ref(x, offs=offs)  # (K, M)
+    out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=out_dtype)
+    K.grouped_mm_k(a, b, offs, out_dtype, out=out)
+    ref = R.grouped_mm(a, b, offs, torch.float32)
+    assert not torch.isnan(out).any()
+    for g, s in enumerate(sizes):
+        if s == 0:
+            assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
+    _check(out, ref, out_dtype)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+def test_dispatch_and_cuda_graph():
+    """gemm.grouped_mm_m(backend='sm90') reaches the kernel; a captured graph replays it."""
+    from moe_mxfp8 import gemm
+
+    dev = "cuda"
+    sizes = [100, 0, 300, 12]
+    offs = _offs(sizes, dev)
+    x = torch.randn(sum(sizes), 128, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(4, 64, 128, device=dev, dtype=torch.bfloat16) * 0.05
+    a = R.quantize_rowwise_ref(x, offs=offs)
+    b = R.quantize_weights_ref(w, axis="K")
+    out = gemm.grouped_mm_m(a, b, offs, backend="sm90")
+    ref = R.grouped_mm(a, b, offs, torch.float32)
+    _check(out, ref, torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out2 = gemm.grouped_mm_m(a, b, offs, backend="sm90")
+    # new group sizes, same buffers: the graph reads offs on the GPU
+    offs.copy_(_offs([0, 200, 200, 12], dev))
+    a2 = R.quantize_rowwise_ref(x, offs=offs)
+    a.data.copy_(a2.data)
+    a.scale.copy_(a2.scale)
+    g.replay()
+    torch.cuda.synchronize()
+    _check(out2, R.grouped_mm(a2, b, offs, torch.float32), torch.bfloat16)
