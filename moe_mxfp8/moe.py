@@ -45,6 +45,20 @@ PARAM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 COMPUTE_DTYPE = torch.bfloat16  # expert GEMMs and activations run in BF16 (MXFP8 inside GEMMs)
 TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 (sigmoid)
+# MXFP8 path: every expert group starts on a multiple of 16 rows (zero rows pad each group).
+# The Hopper wgrad kernel TMA-loads tokens and needs 16-byte aligned token coordinates; an
+# unaligned group takes its slow copy path, measured at 17 vs 394 TFLOP/s (dsv3 wgrad, H100,
+# benchmarks/RESULTS.md). Zero rows change no result: a group's last 32-block is zero-padded by
+# the contract anyway, round_up(m, 16) <= round_up(m, 32) keeps every group's block count, and
+# all-zero blocks (scale byte 0, data 0) add exact zeros.
+GROUP_ALIGN_ROWS = 16
+
+
+def _padded_extent(m: int, num_experts: int) -> int:
+    """Static row count of the 16-aligned expert-sorted buffer: ``m`` pairs plus at most 15 pad
+    rows per group, rounded to 16 (so the whole buffer's row count is a multiple of 16 too)."""
+    bound = m + (GROUP_ALIGN_ROWS - 1) * num_experts
+    return (bound + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
 
 
 class MXFP8MoE(nn.Module):
@@ -252,6 +266,23 @@ class MXFP8MoE(nn.Module):
             x, w_t, offs, backend=self.backend, wgrad=self.wgrad, save_colwise=self.save_colwise
         )
 
+    @staticmethod
+    def _aligned_rows(counts: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the padded expert-sorted buffer for the ``m`` sorted pairs, and its ``offs``.
+
+        Group g starts at ``sum_{h<g} round_up(m_h, 16)``; the last group also absorbs the slack
+        up to the static extent `_padded_extent` (sizes never depend on ``counts`` on the host).
+        """
+        e = counts.numel()
+        padded = (counts + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
+        pad_start = torch.cumsum(padded, 0) - padded
+        start = torch.cumsum(counts, 0) - counts
+        g = torch.repeat_interleave(torch.arange(e, device=counts.device), counts, output_size=m)
+        rows = pad_start[g] + torch.arange(m, device=counts.device) - start[g]
+        offs = torch.cumsum(padded, 0)
+        offs[-1] = _padded_extent(m, e)
+        return rows, offs.to(torch.int32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., dim)`` -> ``(..., dim)`` (same dtype); sets ``self.aux_loss``."""
         self._check_input(x)
@@ -265,13 +296,22 @@ class MXFP8MoE(nn.Module):
 
         # Sort the T*k (token, slot) pairs by expert; stable, so tokens keep their order.
         order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
-        offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E,) cumulative group ends
-        x_sorted = x_flat.to(COMPUTE_DTYPE)[order // k]  # (T*k, D)
+        if self.precision == "mxfp8":
+            rows, offs = self._aligned_rows(counts, t * k)
+            m_pad = _padded_extent(t * k, counts.numel())
+            x_sorted = x_flat.new_zeros(m_pad, self.dim, dtype=COMPUTE_DTYPE)
+            x_sorted[rows] = x_flat.to(COMPUTE_DTYPE)[order // k]  # (M_pad, D), zero padding
+        else:
+            rows = None
+            offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E,) cumulative group ends
+            x_sorted = x_flat.to(COMPUTE_DTYPE)[order // k]  # (T*k, D)
 
         # SwiGLU experts: gate and up in one grouped GEMM (N = 2H), then down.
-        h = self._expert_mm(x_sorted, self.w_gate_up, offs)  # (T*k, 2H)
+        h = self._expert_mm(x_sorted, self.w_gate_up, offs)  # (M, 2H), M = T*k or M_pad
         gate, up = rearrange(h, "m (two h) -> two m h", two=2)
         y_sorted = self._expert_mm(F.silu(gate) * up, self.w_down, offs)  # (T*k, D)
+        if rows is not None:
+            y_sorted = y_sorted[rows]  # drop the padding rows
 
         # Un-permute: row i of y_sorted belongs to (token, slot) order[i].
         y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)

@@ -336,3 +336,40 @@ def test_gpu_no_host_sync(rng, precision):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_group_alignment_padding_changes_no_result(rng):
+    """The MXFP8 path pads every expert group to 16 rows (Hopper wgrad TMA alignment); the
+    output and every gradient must equal the unpadded computation exactly (reference backend)."""
+    from moe_mxfp8.moe import GROUP_ALIGN_ROWS, _padded_extent
+    from moe_mxfp8.ops import grouped_mm
+
+    mx = MXFP8MoE(64, 96, 5, 2, backend="reference")
+    x = torch.randn(37, 64, generator=rng).to(BF16)
+    counts = torch.tensor([0, 17, 33, 1, 23])
+    rows, offs = mx._aligned_rows(counts, int(counts.sum()))
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), offs[:-1]])
+    assert (starts % GROUP_ALIGN_ROWS == 0).all()
+    assert int(offs[-1]) == _padded_extent(74, 5) and int(offs[-1]) % GROUP_ALIGN_ROWS == 0
+    assert rows.unique().numel() == 74
+
+    dy = torch.randn(37, 64, generator=rng).to(BF16)
+    y, dx, pg = fwd_bwd(mx, x, dy)
+
+    # The same layer by hand, without padding.
+    xa = x.clone().requires_grad_()
+    weights, ids, cnt, aux = mx._route(xa)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    offs_u = torch.cumsum(cnt, 0).to(torch.int32)
+    w_gu = mx.w_gate_up.detach().clone().requires_grad_()
+    w_dn = mx.w_down.detach().clone().requires_grad_()
+    h = grouped_mm(xa[order // 2], w_gu.transpose(-2, -1), offs_u, backend="reference")
+    gate, up = h.chunk(2, dim=-1)
+    ys = grouped_mm(torch.nn.functional.silu(gate) * up, w_dn.transpose(-2, -1), offs_u,
+                    backend="reference")
+    pairs = torch.empty_like(ys).index_copy_(0, order, ys).reshape(37, 2, 64)
+    y_ref = torch.einsum("tkd,tk->td", pairs.float(), weights.to(BF16).float()).to(BF16)
+    ((y_ref.float() * dy.float()).sum() + aux).backward()
+    assert torch.equal(y, y_ref)
+    assert torch.equal(dx, xa.grad)
+    assert torch.equal(pg["w_gate_up"], w_gu.grad) and torch.equal(pg["w_down"], w_dn.grad)
