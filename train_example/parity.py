@@ -1,0 +1,252 @@
+"""MXFP8 vs BF16 loss parity: train both from the same seed on the same batches, compare.
+
+    python -m train_example.parity --device cpu --out runs/parity          # cpu-tiny preset
+    python -m train_example.parity --device cuda --preset gpu --out runs/parity-gpu
+
+Writes to ``--out``: ``bf16/`` and ``mxfp8/`` (each run's log.csv, checkpoint), ``loss.csv``
+(both curves side by side), ``loss.png`` (train and validation curves and their relative
+difference), ``summary.json``; prints one verdict line. Exit code 0 on PASS, 1 on FAIL, 2 when the
+plot cannot be drawn (matplotlib missing; the CSV and summary are written first).
+
+Criteria (relative difference ``r = (mxfp8 - bf16) / bf16``):
+
+1. **final**: the mean validation loss over the evaluations in the last 10% of steps, MXFP8 within
+   ``--final-tol`` (1%) of BF16.
+2. **curve**: after warm-up, ``|r| <= --curve-tol`` (3%) at every step, for the smoothed train
+   curves and for the validation curves. The train curves are smoothed with a bias-corrected
+   exponential moving average, ``m_t = b m_{t-1} + (1 - b) loss_t``, ``ema_t = m_t / (1 - b^t)``,
+   ``b = --ema-beta`` (0.9: about a 10-step window), per precision, before ``r`` is taken.
+   Both precisions see identical batches, so batch-to-batch noise is common to the two curves;
+   the EMA removes the remaining step-level jitter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import train as T
+
+PRECISIONS = ("bf16", "mxfp8")
+LOSS_FIELDS = (
+    "step", "lr",
+    "bf16_train", "mxfp8_train", "bf16_train_ema", "mxfp8_train_ema", "train_ema_rel_diff",
+    "bf16_val", "mxfp8_val", "val_rel_diff",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train_example.parity",
+        description="Train BF16 and MXFP8 from the same seed and data; compare loss curves.",
+    )
+    p.add_argument("--preset", choices=sorted(T.TRAIN_PRESETS), default="cpu-tiny")
+    p.add_argument("--steps", type=int, default=None, help="default: the preset's")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default=None,
+                   help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--final-tol", type=float, default=0.01)
+    p.add_argument("--curve-tol", type=float, default=0.03)
+    p.add_argument("--ema-beta", type=float, default=0.9)
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def ema(values: list[float], beta: float) -> list[float]:
+    """Bias-corrected exponential moving average (the first value is not damped toward 0)."""
+    out, m = [], 0.0
+    for t, v in enumerate(values, start=1):
+        m = beta * m + (1.0 - beta) * v
+        out.append(m / (1.0 - beta**t))
+    return out
+
+
+def rel(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else (a - b) / b
+
+
+def compare(logs: dict[str, list[dict]], steps: int, warmup: int, args) -> tuple[list[dict], dict]:
+    """Merge the two runs' logs into loss.csv rows and evaluate the criteria."""
+    b, m = logs["bf16"], logs["mxfp8"]
+    if [r["step"] for r in b] != [r["step"] for r in m] or len(b) != steps:
+        raise RuntimeError("the two runs did not log the same steps")
+    ema_b = ema([r["train_loss"] for r in b], args.ema_beta)
+    ema_m = ema([r["train_loss"] for r in m], args.ema_beta)
+    rows = []
+    for i, (rb, rm) in enumerate(zip(b, m, strict=True)):
+        rows.append({
+            "step": rb["step"], "lr": rb["lr"],
+            "bf16_train": rb["train_loss"], "mxfp8_train": rm["train_loss"],
+            "bf16_train_ema": ema_b[i], "mxfp8_train_ema": ema_m[i],
+            "train_ema_rel_diff": rel(ema_m[i], ema_b[i]),
+            "bf16_val": rb["val_loss"], "mxfp8_val": rm["val_loss"],
+            "val_rel_diff": rel(rm["val_loss"], rb["val_loss"]),
+        })
+
+    tail_from = steps - max(1, math.ceil(0.1 * steps))  # evaluations at steps > tail_from
+    tail = [r for r in rows if r["step"] > tail_from and r["bf16_val"] is not None]
+    final_b = sum(r["bf16_val"] for r in tail) / len(tail)
+    final_m = sum(r["mxfp8_val"] for r in tail) / len(tail)
+    final_rel = rel(final_m, final_b)
+
+    after = [r for r in rows if r["step"] > warmup]
+    train_max = max(abs(r["train_ema_rel_diff"]) for r in after)
+    val_diffs = [abs(r["val_rel_diff"]) for r in after if r["val_rel_diff"] is not None]
+    val_max = max(val_diffs) if val_diffs else 0.0
+    final_ok = abs(final_rel) <= args.final_tol
+    curve_ok = max(train_max, val_max) <= args.curve_tol
+    verdict = {
+        "pass": final_ok and curve_ok,
+        "final": {
+            "pass": final_ok, "tolerance": args.final_tol, "rel_diff": final_rel,
+            "bf16_mean_val_loss": final_b, "mxfp8_mean_val_loss": final_m,
+            "steps": [r["step"] for r in tail],
+        },
+        "curve": {
+            "pass": curve_ok, "tolerance": args.curve_tol, "after_step": warmup,
+            "max_abs_rel_diff_train_ema": train_max, "max_abs_rel_diff_val": val_max,
+            "ema_beta": args.ema_beta,
+        },
+    }
+    return rows, verdict
+
+
+def write_loss_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, LOSS_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r[k] is None else r[k]) for k in LOSS_FIELDS})
+
+
+def plot(path: Path, rows: list[dict], verdict: dict, title: str) -> None:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise RuntimeError(
+            "the parity plot needs matplotlib, which is not installed: "
+            "pip install matplotlib (or pip install -e '.[test]')"
+        ) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    vrows = [r for r in rows if r["bf16_val"] is not None]
+    vsteps = [r["step"] for r in vrows]
+    colors = {"bf16": "tab:blue", "mxfp8": "tab:red"}
+    fig, (ax_t, ax_v, ax_d) = plt.subplots(3, 1, figsize=(9, 11), sharex=True)
+    for p in PRECISIONS:
+        ax_t.plot(steps, [r[f"{p}_train"] for r in rows], color=colors[p], alpha=0.25, lw=0.8)
+        ax_t.plot(steps, [r[f"{p}_train_ema"] for r in rows], color=colors[p],
+                  label=f"{p} (EMA {verdict['curve']['ema_beta']})")
+        ax_v.plot(vsteps, [r[f"{p}_val"] for r in vrows], color=colors[p], marker=".", label=p)
+    ax_t.set_ylabel("train loss (nats/byte)")
+    ax_t.set_title(title)
+    ax_v.set_ylabel("validation loss (nats/byte)")
+    ax_d.plot(steps, [100 * r["train_ema_rel_diff"] for r in rows], color="tab:purple",
+              label="train (EMA)")
+    ax_d.plot(vsteps, [100 * r["val_rel_diff"] for r in vrows], color="tab:green",
+              marker=".", label="validation")
+    tol = 100 * verdict["curve"]["tolerance"]
+    for y in (-tol, tol):
+        ax_d.axhline(y, color="gray", ls="--", lw=0.8)
+    ax_d.axhline(0, color="black", lw=0.5)
+    ax_d.set_ylabel("(mxfp8 - bf16) / bf16  [%]")
+    ax_d.set_xlabel("step")
+    warm = verdict["curve"]["after_step"]
+    for ax in (ax_t, ax_v, ax_d):
+        ax.axvline(warm, color="gray", ls=":", lw=0.8)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def verdict_line(v: dict) -> str:
+    f, c = v["final"], v["curve"]
+    return (
+        f"PARITY {'PASS' if v['pass'] else 'FAIL'}: "
+        f"final val loss mxfp8 {f['mxfp8_mean_val_loss']:.4f} vs bf16 "
+        f"{f['bf16_mean_val_loss']:.4f} ({100 * f['rel_diff']:+.2f}%, limit "
+        f"{100 * f['tolerance']:.0f}%: {'PASS' if f['pass'] else 'FAIL'}); "
+        f"max |rel diff| after warm-up train-EMA {100 * c['max_abs_rel_diff_train_ema']:.2f}% "
+        f"val {100 * c['max_abs_rel_diff_val']:.2f}% (limit {100 * c['tolerance']:.0f}%: "
+        f"{'PASS' if c['pass'] else 'FAIL'})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--preset", args.preset, "--device", args.device, "--seed", str(args.seed),
+              "--log-every", str(args.log_every)]
+    for opt, val in (("--steps", args.steps), ("--backend", args.backend),
+                     ("--eval-every", args.eval_every)):
+        if val is not None:
+            common += [opt, str(val)]
+    if args.quiet:
+        common.append("--quiet")
+    tc = T.train_config(T.build_parser().parse_args(common + ["--out", str(out)]))
+
+    t0 = time.perf_counter()
+    logs, wall = {}, {}
+    for p in PRECISIONS:
+        run_dir = out / p
+        shutil.rmtree(run_dir / T.CKPT_DIR, ignore_errors=True)  # always a fresh run
+        if not args.quiet:
+            print(f"=== {p} ===", flush=True)
+        t = time.perf_counter()
+        T.run(common + ["--precision", p, "--out", str(run_dir)])
+        wall[p] = time.perf_counter() - t
+        logs[p] = T.read_log(run_dir / "log.csv")
+    rows, verdict = compare(logs, tc.steps, tc.warmup_steps, args)
+
+    dev = torch.device(args.device)
+    device_name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                   else f"cpu ({platform.processor() or platform.machine()}, "
+                        f"{torch.get_num_threads()} torch thread(s))")
+    run_info = json.loads((out / "mxfp8" / "run.json").read_text())
+    summary = {
+        **verdict,
+        "preset": args.preset, "steps": tc.steps, "warmup_steps": tc.warmup_steps,
+        "seed": args.seed, "device": str(dev), "device_name": device_name,
+        "backend": run_info["backend"], "parameters": run_info["parameters"],
+        "active_parameters": run_info["active_parameters"],
+        "final_train_loss": {p: logs[p][-1]["train_loss"] for p in PRECISIONS},
+        "final_val_loss": {p: logs[p][-1]["val_loss"] for p in PRECISIONS},
+        "wall_time_s": {**wall, "total": time.perf_counter() - t0},
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+    write_loss_csv(out / "loss.csv", rows)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    line = verdict_line(verdict)
+    print(line, flush=True)
+    title = (f"MXFP8 vs BF16 MoE LM, preset {args.preset}, {tc.steps} steps, {device_name}\n"
+             f"{'PASS' if verdict['pass'] else 'FAIL'}")
+    try:
+        plot(out / "loss.png", rows, verdict, title)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out / 'loss.csv'}, {out / 'loss.png'}, {out / 'summary.json'} "
+          f"({summary['wall_time_s']['total']:.0f} s)", flush=True)
+    return 0 if verdict["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
