@@ -10,10 +10,12 @@ The three GEMMs of training run in MXFP8 with operands quantized as the contract
     wgrad  dW_g = dY_g^T . X_g   dY^T and X^T columnwise along the tokens of each group
 
 ``dY`` is quantized once for both orientations (`quantize_dual`). ``X``'s columnwise copy is
-either re-quantized from the saved BF16 ``x`` in backward (default, ``save_colwise=False``) or
-quantized together with the rowwise copy in forward and saved in FP8 (``save_colwise=True``,
-which then keeps no BF16 ``x`` alive). ``wgrad="bf16"`` computes the weight gradient in BF16
-with ``torch._grouped_mm`` instead.
+quantized together with the rowwise copy in forward and saved in FP8 (default,
+``save_colwise=True``, which keeps no BF16 ``x`` alive) or re-quantized from the saved BF16 ``x``
+in backward (``save_colwise=False``). Measured on an H100 (2026-11-22, MXFP8MoE at the dsv3
+shape, forward+backward): 166.5 vs 166.9 ms -- the same time -- and 17.6 vs 18.7 GiB peak, so
+saving the FP8 copy is the default (benchmarks/RESULTS.md). ``wgrad="bf16"`` computes the
+weight gradient in BF16 with ``torch._grouped_mm`` instead.
 
 The layer is two ``torch.library`` custom ops in the ``moe_mxfp8`` namespace --
 ``moe_mxfp8::grouped_mm_fwd`` and ``moe_mxfp8::grouped_mm_bwd`` -- with fake (meta)
@@ -37,6 +39,7 @@ from .mx_tensor import MXFP8Tensor
 from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
 
 WGRAD_MODES = ("mxfp8", "bf16")
+WGRAD_ROW_ALIGN = 16  # token rows: kernels/grouped_gemm_sm90.py reads tokens with TMA (16 B rows)
 COMPUTE_DTYPE = torch.bfloat16  # the dtype of x, w_t, the output and both gradients
 FP8 = torch.float8_e4m3fn
 
@@ -146,6 +149,15 @@ def _grouped_mm_bwd(
     """
     dy = grad_out.contiguous()
     mx_wgrad = need_dw and wgrad == "mxfp8"
+    m = dy.shape[0]
+    if mx_wgrad and m % WGRAD_ROW_ALIGN:
+        # The Hopper wgrad kernel TMA-loads tokens along rows: it needs M % 16 == 0. Zero rows
+        # appended to the last group change no result (its last 32-block is zero-padded anyway;
+        # a block that becomes all-zero adds exact zeros) -- dx is sliced back to M rows.
+        mp = L.round_up(m, WGRAD_ROW_ALIGN)
+        offs = torch.cat([offs[:-1], offs.new_full((1,), mp)])
+        dy = torch.cat([dy, dy.new_zeros(mp - m, dy.shape[1])])
+        x = torch.cat([x, x.new_zeros(mp - m, x.shape[1])]) if x is not None else None
     dyq = dytq = None
     if need_dx and mx_wgrad:
         dyq, dytq = quantize_dual(dy, offs=offs, backend=backend)  # dY read once
@@ -158,7 +170,7 @@ def _grouped_mm_bwd(
     if need_dx:
         # W along N: data (E, K, N), blocks of 32 along N (dgrad reduces over N).
         wq = quantize_weights(w_t.transpose(-2, -1).contiguous(), axis="N", backend=backend)
-        dx = grouped_mm_m(dyq, wq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)
+        dx = grouped_mm_m(dyq, wq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)[:m]
 
     dw = _empty(dy, COMPUTE_DTYPE)
     if need_dw:
@@ -237,7 +249,7 @@ def grouped_mm(
     *,
     backend: str = "auto",
     wgrad: str = "mxfp8",
-    save_colwise: bool = False,
+    save_colwise: bool = True,
 ) -> Tensor:
     """MXFP8 grouped GEMM with autograd; the counterpart of ``torch._grouped_mm(x, w_t, offs)``.
 
@@ -250,8 +262,8 @@ def grouped_mm(
         backend: ``"auto"``, ``"reference"``, ``"sm90"`` or ``"sm100"`` (`resolve_backend`).
         wgrad: ``"mxfp8"`` (weight gradient in MXFP8, default) or ``"bf16"`` (BF16 GEMM).
         save_colwise: with ``wgrad="mxfp8"``, quantize x's columnwise (wgrad) copy in forward
-            together with the rowwise one and save it in FP8 instead of the BF16 ``x``; the
-            default re-quantizes x in backward. Same bytes either way.
+            together with the rowwise one and save it in FP8 instead of the BF16 ``x`` (default:
+            same time, less memory); False re-quantizes x in backward. Same bytes either way.
 
     Returns:
         ``(M, N)`` bfloat16. Its gradients: ``(M, K)`` for x, ``(E, K, N)`` for w_t (a transposed
@@ -261,6 +273,7 @@ def grouped_mm(
     save = (
         bool(save_colwise)
         and wgrad == "mxfp8"
+        and x.shape[0] % WGRAD_ROW_ALIGN == 0  # odd M: backward pads x, so keep the BF16 x
         and torch.is_grad_enabled()
         and w_t.requires_grad
     )
