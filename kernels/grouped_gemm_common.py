@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_mxfp8 import layout as L
+from moe_mxfp8.gemm import check_grouped_operands
 from moe_mxfp8.mx_tensor import MXFP8Tensor
 
 MODE_M = "m"
 MODE_K = "k"
 MODES = (MODE_M, MODE_K)
-OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 # TMA needs 16-byte aligned global strides: fp8 rows need a multiple of 16 elements; the scale
 # blocks need 32. Kernels may ask for more through `check_implementable(..., n_multiple=...)`.
@@ -85,23 +85,12 @@ class GroupedProblem:
 
 
 def _check_common(a, b, offs, out_dtype) -> None:
-    if not isinstance(a, MXFP8Tensor) or not isinstance(b, MXFP8Tensor):
-        raise TypeError("a and b must be MXFP8Tensor")
-    if a.scale_layout != "packed" or b.scale_layout != "packed":
-        raise ValueError("grouped GEMM kernels read packed scales (scale_layout='packed')")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
-        raise TypeError("offs must be a 1D int32 tensor of cumulative group ends")
-    if offs.numel() == 0:
-        raise ValueError("offs must hold at least one group")
+    """The API's operand checks (`moe_mxfp8.gemm.check_grouped_operands`), plus what TMA needs."""
+    check_grouped_operands(a, b, offs, out_dtype)
     for name, t in (("a.data", a.data), ("b.data", b.data), ("a.scale", a.scale),
                     ("b.scale", b.scale)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    devs = {a.data.device, b.data.device, offs.device, a.scale.device, b.scale.device}
-    if len(devs) != 1:
-        raise ValueError(f"a, b and offs must share one device, got {sorted(map(str, devs))}")
 
 
 def describe_m(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,

@@ -20,18 +20,24 @@ from .mx_tensor import MXFP8Tensor
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _check(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> None:
+def check_grouped_operands(
+    a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor, out_dtype: torch.dtype
+) -> None:
+    """Checks every grouped GEMM (reference or kernel) applies to its operands."""
     if not isinstance(a, MXFP8Tensor) or not isinstance(b, MXFP8Tensor):
         raise TypeError("a and b must be MXFP8Tensor (use moe_mxfp8.quantize_*)")
     if a.scale_layout != "packed" or b.scale_layout != "packed":
         raise ValueError("grouped GEMM operands need packed scales (scale_layout='packed')")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if offs.dtype != torch.int32 or offs.dim() != 1:
-        raise TypeError(f"offs must be a 1D int32 tensor, got {offs.dtype} {tuple(offs.shape)}")
-    devs = {a.device, b.device, offs.device}
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
+        what = f"{offs.dtype} {tuple(offs.shape)}" if isinstance(offs, torch.Tensor) else offs
+        raise TypeError(f"offs must be a 1D int32 tensor of cumulative group ends, got {what}")
+    if offs.numel() == 0:
+        raise ValueError("offs must hold at least one group")
+    devs = {a.data.device, b.data.device, offs.device, a.scale.device, b.scale.device}
     if len(devs) != 1:
-        raise ValueError(f"a, b and offs must share a device, got {sorted(map(str, devs))}")
+        raise ValueError(f"a, b and offs must share one device, got {sorted(map(str, devs))}")
 
 
 def grouped_mm_m(
@@ -39,7 +45,7 @@ def grouped_mm_m(
     out_dtype: torch.dtype = torch.bfloat16, backend: str | None = "auto",
 ) -> torch.Tensor:
     """M-grouped ``out[rows of g] = a[rows of g] @ b[g].T``: ``(M, K) x (E, N, K) -> (M, N)``."""
-    _check(a, b, offs, out_dtype)
+    check_grouped_operands(a, b, offs, out_dtype)
     if a.data.dim() != 2 or b.data.dim() != 3 or b.group_axis != "experts":
         raise ValueError("grouped_mm_m needs a 2D rowwise `a` and 3D expert weights `b`")
     if a.group_axis not in (None, "rows"):
@@ -61,7 +67,7 @@ def grouped_mm_k(
     out_dtype: torch.dtype = torch.bfloat16, backend: str | None = "auto",
 ) -> torch.Tensor:
     """K-grouped ``out[g] = a[:, g] @ b[:, g].T``: ``(N, M) x (K, M) -> (E, N, K)``."""
-    _check(a, b, offs, out_dtype)
+    check_grouped_operands(a, b, offs, out_dtype)
     if a.group_axis != "k" or b.group_axis != "k":
         raise ValueError("grouped_mm_k needs operands quantized along M per group (offs=...)")
     if a.data.shape[1] != b.data.shape[1]:
