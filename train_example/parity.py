@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default=None,
+                   help="MXFP8 run's weight-gradient GEMMs (default mxfp8)")
     p.add_argument("--backend", default=None,
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
     p.add_argument("--eval-every", type=int, default=None)
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--preset", args.preset, "--device", args.device, "--seed", str(args.seed),
               "--log-every", str(args.log_every)]
     for opt, val in (("--steps", args.steps), ("--backend", args.backend),
-                     ("--eval-every", args.eval_every)):
+                     ("--eval-every", args.eval_every), ("--wgrad", args.wgrad)):
         if val is not None:
             common += [opt, str(val)]
     if args.quiet:
@@ -225,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         **verdict,
         "preset": args.preset, "steps": tc.steps, "warmup_steps": tc.warmup_steps,
         "seed": args.seed, "device": str(dev), "device_name": device_name,
-        "backend": run_info["backend"], "parameters": run_info["parameters"],
+        "backend": run_info["backend"], "wgrad": args.wgrad or "mxfp8",
+        "parameters": run_info["parameters"],
         "active_parameters": run_info["active_parameters"],
         "final_train_loss": {p: logs[p][-1]["train_loss"] for p in PRECISIONS},
         "final_val_loss": {p: logs[p][-1]["val_loss"] for p in PRECISIONS},

@@ -96,3 +96,13 @@ def test_resume_refuses_other_settings(tmp_path):
     _train(tmp_path, "--precision", "bf16", "--stop-after", "2")
     with pytest.raises(SystemExit, match="other settings"):
         _train(tmp_path, "--precision", "mxfp8", "--resume")
+
+
+def test_wgrad_option_reaches_every_moe_layer():
+    from train_example.model import MoETransformer, model_config
+
+    cfg = model_config("micro")
+    m = MoETransformer(cfg, precision="mxfp8", backend="reference", wgrad="bf16")
+    assert [b.moe.wgrad for b in m.blocks] == ["bf16"] * cfg.n_layers
+    twin = MoETransformer(cfg, precision="bf16", backend="reference", wgrad="bf16")
+    assert set(twin.state_dict()) == set(m.state_dict())
