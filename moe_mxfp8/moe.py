@@ -37,7 +37,7 @@ from einops import einsum, rearrange
 from torch import nn
 
 from . import layout as L
-from .ops import WGRAD_MODES, grouped_mm
+from .ops import WGRAD_MODES, WGRAD_ROW_ALIGN, grouped_mm
 
 PRECISIONS = ("mxfp8", "bf16")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -51,7 +51,7 @@ TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 
 # benchmarks/RESULTS.md). Zero rows change no result: a group's last 32-block is zero-padded by
 # the contract anyway, round_up(m, 16) <= round_up(m, 32) keeps every group's block count, and
 # all-zero blocks (scale byte 0, data 0) add exact zeros.
-GROUP_ALIGN_ROWS = 16
+GROUP_ALIGN_ROWS = WGRAD_ROW_ALIGN  # one constant: the wgrad kernel's token alignment
 
 
 def _padded_extent(m: int, num_experts: int) -> int:
