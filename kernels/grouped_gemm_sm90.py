@@ -8,30 +8,40 @@ Two variants of one kernel class (`Sm90GroupedGemm`, ``config.variant``):
 * ``"k"`` -- 2D x 2D K-grouped (wgrad ``dW_g = dY_g^T X_g``): ``a (N, M)``, ``b (K, M)`` both
   quantized along the tokens M per group -> ``out (E, N, K)``; empty groups give zeros.
 
-Structure (one CTA = one 128 x 128 output tile; 384 threads = 3 warpgroups):
+Structure (persistent: min(tiles, SMs) CTAs of 384 threads = 3 warpgroups; each CTA walks
+output tiles t = blockIdx.x, + gridDim.x, ... of 128 x 128, n-tile fastest; every role walks the
+same sequence and the smem pipeline runs on across tiles, so the next tile's loads overlap this
+tile's epilogue):
 
 * warp 0 (producer): TMA of the A and B tiles (128 rows x 128 K bytes each) into an
   ``S``-stage smem ring (PipelineTmaAsync), the tile origin read from ``offs`` on the GPU.
   K-grouped groups whose first token is not 16-byte aligned cannot be TMA'd (Hopper traps with
   "illegal instruction" on an unaligned innermost TMA coordinate, seen on the device): for
   those this warp copies the window itself (4-byte loads + funnel shift, `copy_producer`) --
-  correct but ~20x slower (measured, docs/NOTES.md "Hopper grouped GEMM");
+  correct but ~20x slower; the host entry point avoids it by re-laying the groups out first
+  (`grouped_gemm_common.align_k_groups`);
 * warps 1-3 (scales, k-tiles round-robin): read the two 512-byte packed scale tiles of each
   k-tile (one packed tile is exactly 128 rows x 4 blocks = one k-tile, see
   `grouped_gemm_common`), convert the E8M0 bytes to fp32 and write them to smem in the order the
-  consumers read them, then arrive on the same "full" mbarrier as the TMA (the barrier counts
-  1 TMA arrive + 32 scale-lane arrives);
+  consumers read them (32x32 mode: the 8 row x column-group products each consumer thread
+  needs), then arrive on the same "full" mbarrier as the TMA (the barrier counts 1 TMA arrive +
+  32 scale-lane arrives);
 * warpgroups 1, 2 (consumers, 64 rows each): per k=32 step (one scale block) one
   ``wgmma.m64n128k32`` into a temporary accumulator, then "promotion"
   ``acc += tmp * (sa[row] * sb[col])`` on the CUDA cores. Two temporaries alternate so that the
-  next step's wgmma runs while the previous one is promoted.
+  next step's wgmma is in flight while the previous one is promoted.
 * epilogue: predicated direct stores (rows masked by the group end, columns by N).
 
-Group structure comes from ``offs`` on the device (no host sync): a CTA of variant "m" finds its
-group by a warp-parallel prefix scan over ``offs``; the grid is a static bound of m-tiles
-(`grouped_gemm_common.m_tiles_bound`) and tiles past the real count exit. Variant "k" puts the
-group on ``blockIdx.z``; its last k-tile reads the next group's tokens, which are zeroed in smem
-(both operands, so garbage x 0 cannot make NaN) before the wgmma, with ``fence.proxy.async``.
+Group structure comes from ``offs`` on the device (no host sync): variant "m" counts the real
+m-tiles ``sum_g ceil(m_g/128)`` and finds each tile's group by a warp-parallel prefix scan over
+``offs``; variant "k" walks (tile, group) pairs, empty groups storing zeros; a group's last
+k-tile reads the next group's tokens, which are zeroed in smem (both operands, so garbage x 0
+cannot make NaN) before the wgmma, with ``fence.proxy.async``.
+
+What limits it (measured on an H100, docs/NOTES.md "Hopper grouped GEMM"): the promotion's
+instruction issue adds to the MMA time instead of hiding under it, so the kernel runs at
+roughly (MMA + feed time) + (promotion issue time); the promotion is 1 FFMA per accumulator
+element per k=32 step in 32x32 mode and 2 FP32 ops (+ scale loads) in 1x32 mode.
 
 Scale modes: 1x32 x 1x32 (default; the row scale times the column scale is formed per element,
 2 FP32 ops per element per k-step) and the 32x32 weight mode (``b.block_rows == 32``: one
@@ -41,6 +51,7 @@ promotion is one FFMA per element).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cutlass
@@ -58,6 +69,7 @@ from . import grouped_gemm_common as GC
 from .common import CompileCache, current_stream, target_arch
 
 VARIANTS = ("m", "k")
+DIAG_MODES = ("", "no_promote", "no_scale_wait", "promote_only")
 TILE_M = 128  # two consumer warpgroups of 64 rows; equals the packed scale tile's 128 rows
 TILE_N = 128  # one packed scale tile of B per k-tile
 TILE_K = 128  # 4 scale blocks = one packed 512-byte tile = the 128-byte smem swizzle row
@@ -80,6 +92,7 @@ SCALE_WARPS = 3  # producer-warpgroup warps 1..3 convert scales
 SFA_STRIDE = TILE_M  # fp32 row scales per block
 SFB_Q_STRIDE = TILE_N // 4 + 4  # 32 column scales per lane%4 group + 4 pad (bank spread)
 SFB_STRIDE = 4 * SFB_Q_STRIDE
+PROD_STRIDE = (TILE_M // 2) * 8  # 32x32 mode: 64 thread-row pairs x 8 products per block
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,28 @@ class Sm90GroupedGemmConfig:
     b_block_rows: int = 1
     stages: int = 0  # 0: as many as fit in shared memory (<= MAX_STAGES)
     double_tmp: bool = True  # two temporaries: promote step j while wgmma j+1 runs
+    # k-tiles of packed scale words each scale warp keeps in flight. Measured (H100, fprop
+    # dsv3 T=32768 / qwen3): 1 vs 2 vs 3 within +-1.5%, and with the scale warps removed
+    # altogether (diag "no_scale_wait") 32x32 mode gains 13%, 1x32 none: the scale feed is
+    # not what limits the kernel. 1: deeper rings spill in the 40-register producer warps
+    # (66 LDL/STL at N=256, K=512 with 2).
+    scale_lookahead: int = 1
+    # read a block's scales from smem before waiting for its wgmma (None: per scale mode).
+    # Measured (H100, fprop dsv3 T=32768, benchmarks/tune_grouped_gemm_sm90.py): 32x32 mode
+    # 3312 vs 3399 us (+3%); 1x32 mode 5496 vs 4816 us (-14%: its 32 column scales held across
+    # the wait make ptxas spill), so None = on for 32x32 only.
+    hoist_scales: bool | None = None
+    # 32x32 mode: the scale warps write the 8 row x column-group products per consumer thread
+    # (None: on in 32x32 mode) instead of the consumers forming them with 8 FMULs per k-step
+    scale_products: bool | None = None
+    # persistent grid: min(output tiles, max_ctas) CTAs walk the tiles (one CTA per SM fits:
+    # ~224 KB of shared memory); the host sets the device's SM count
+    max_ctas: int = 132
+    # diagnostics for measuring the kernel's limits (results are WRONG; never dispatched):
+    # "no_promote": the wgmmas accumulate straight into acc (the same pipeline without the
+    # CUDA-core promotion); "no_scale_wait": scale warps idle, consumers do not wait for them;
+    # "promote_only": no wgmma is issued (the promotion and the pipeline alone).
+    diag: str = ""
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -99,6 +134,10 @@ class Sm90GroupedGemmConfig:
             raise ValueError("b_block_rows must be 1 or 32")
         if self.variant == "k" and self.b_block_rows != 1:
             raise ValueError("the K-grouped variant uses 1x32 blocks only")
+        if self.scale_lookahead < 1:
+            raise ValueError("scale_lookahead must be >= 1")
+        if self.diag not in DIAG_MODES:
+            raise ValueError(f"diag must be one of {DIAG_MODES}, got {self.diag!r}")
 
 
 def _cutlass_out_dtype(name: str):
@@ -112,10 +151,16 @@ class Sm90GroupedGemm:
         self.cfg = config
         self.is_m = config.variant == "m"
         self.block32 = config.b_block_rows == 32
+        self.hoist_scales = self.block32 if config.hoist_scales is None else config.hoist_scales
         self.out_dtype = _cutlass_out_dtype(config.out_dtype)
         self.ab_dtype = cutlass.Float8E4M3FN
         ab_stage_bytes = (TILE_M + TILE_N) * TILE_K
-        sf_stage_bytes = BLOCKS_PER_KTILE * (SFA_STRIDE + SFB_STRIDE) * 4
+        # 32x32 mode keeps the row x column-group scale products (PROD_STRIDE per block) in
+        # the sSFA region instead of the row and column scales (see scale_producer)
+        self.products = self.block32 and config.scale_products is not False
+        self.sfa_stride = PROD_STRIDE if self.products else SFA_STRIDE
+        self.sfb_stride = 4 if self.products else SFB_STRIDE
+        sf_stage_bytes = BLOCKS_PER_KTILE * (self.sfa_stride + self.sfb_stride) * 4
         self.stage_bytes = ab_stage_bytes + sf_stage_bytes
         cap = utils.get_smem_capacity_in_bytes("sm_90")
         self.stages = config.stages or min(MAX_STAGES, (cap - SMEM_RESERVE) // self.stage_bytes)
@@ -154,13 +199,16 @@ class Sm90GroupedGemm:
             m_rows = cute.size(mA, mode=[0])
             n_cols = cute.size(mB, mode=[0])
             # static bound of sum_g ceil(m_g / TILE_M) (grouped_gemm_common.m_tiles_bound)
-            grid = ((n_cols + TILE_N - 1) // TILE_N,
-                    (m_rows + (TILE_M - 1) * num_groups) // TILE_M, 1)
+            tiles_bound = ((n_cols + TILE_N - 1) // TILE_N
+                           * ((m_rows + (TILE_M - 1) * num_groups) // TILE_M))
         else:
-            grid = ((cute.size(mB, mode=[0]) + TILE_N - 1) // TILE_N,
-                    (cute.size(mA, mode=[0]) + TILE_M - 1) // TILE_M, num_groups)
+            tiles_bound = ((cute.size(mB, mode=[0]) + TILE_N - 1) // TILE_N
+                           * ((cute.size(mA, mode=[0]) + TILE_M - 1) // TILE_M) * num_groups)
+        grid = (cutlass.max(cutlass.min(tiles_bound, self.cfg.max_ctas), 1), 1, 1)
 
         stages = self.stages
+        sfa_words = stages * BLOCKS_PER_KTILE * self.sfa_stride
+        sfb_words = stages * BLOCKS_PER_KTILE * self.sfb_stride
 
         @cute.struct
         class SharedStorage:
@@ -170,9 +218,9 @@ class Sm90GroupedGemm:
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)],
                                   1024]
             sSFA: cute.struct.Align[
-                cute.struct.MemRange[Float32, stages * BLOCKS_PER_KTILE * SFA_STRIDE], 16]
+                cute.struct.MemRange[Float32, sfa_words], 16]
             sSFB: cute.struct.Align[
-                cute.struct.MemRange[Float32, stages * BLOCKS_PER_KTILE * SFB_STRIDE], 16]
+                cute.struct.MemRange[Float32, sfb_words], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(tma_a, tA, tma_b, tB, mA, mB, mOut, sfA, sfB, offs, self.tiled_mma,
@@ -188,7 +236,7 @@ class Sm90GroupedGemm:
                offs: cute.Tensor, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout,
                b_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, bidy, bidz = cute.arch.block_idx()
+        bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if warp_idx == 0:
@@ -201,7 +249,8 @@ class Sm90GroupedGemm:
             barrier_storage=storage.bars.data_ptr(),
             num_stages=self.stages,
             # full barrier: 1 TMA arrive (with the byte count) + 32 scale-warp arrives
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 32),
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 1 if self.cfg.diag == "no_scale_wait" else 1 + 32),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      NUM_CONSUMER_WG * 4),
             tx_count=self.tx_bytes,
@@ -210,37 +259,72 @@ class Sm90GroupedGemm:
         sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         sSFA = storage.sSFA.get_tensor(
-            cute.make_layout((SFA_STRIDE, BLOCKS_PER_KTILE, self.stages)))
+            cute.make_layout((self.sfa_stride, BLOCKS_PER_KTILE, self.stages)))
         sSFB = storage.sSFB.get_tensor(
-            cute.make_layout((SFB_STRIDE, BLOCKS_PER_KTILE, self.stages)))
+            cute.make_layout((self.sfb_stride, BLOCKS_PER_KTILE, self.stages)))
 
-        # ---- work decode: every warp computes the same values (warp-uniform)
-        valid, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, grp = \
-            self.decode_tile(tA, tB, offs, bidx, bidy, bidz)
-
-        if valid:
-            if wg_idx == 0:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                if warp_idx == 0:
+        # ---- persistent tile loop: every role of every CTA walks the same tiles
+        # t = bidx, bidx + grid, ... (n-tile fastest, so concurrent CTAs share A rows in L2);
+        # the pipeline runs on across tiles, so the producers load the next tile while the
+        # consumers store this one.
+        n_ctas, _, _ = cute.arch.grid_dim()
+        num_tiles, tiles_x, tiles_xy = self.tile_counts(tA, tB, offs)
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                    self.stages)
+                for t in range(bidx, num_tiles, n_ctas):
+                    tx, ty, tz = t % tiles_x, (t % tiles_xy) // tiles_x, t // tiles_xy
+                    _, row0, row_end, _, _, k_tiles, _, grp = \
+                        self.decode_tile(tA, tB, offs, tx, ty, tz)
                     tma_ok = True
                     if cutlass.const_expr(not self.is_m):
                         # TMA needs a 16-byte aligned innermost (token) coordinate: groups that
                         # start elsewhere are copied by this warp (slow path, see copy_window)
                         tma_ok = row0 % TMA_INNER_ALIGN == 0
                     if tma_ok:
-                        self.tma_producer(pipe, tma_a, tA, tma_b, tB, sA, sB, row0, bidx, bidy,
-                                          grp, k_tiles)
+                        prod = self.tma_producer(pipe, prod, tma_a, tA, tma_b, tB, sA, sB, row0, tx,
+                                          ty, grp, k_tiles)
                     else:
-                        self.copy_producer(pipe, mA, mB, storage.sA.data_ptr(),
-                                           storage.sB.data_ptr(), row0, row_end, bidx, bidy,
+                        prod = self.copy_producer(pipe, prod, mA, mB, storage.sA.data_ptr(),
+                                           storage.sB.data_ptr(), row0, row_end, tx, ty,
                                            k_tiles)
-                if warp_idx > 0:
-                    self.scale_producer(pipe, sfA, sfB, sSFA, sSFB, a_tile0, b_tile0, k_tiles,
-                                        warp_idx - 1)
-            else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                self.consumer(pipe, tiled_mma, sA, sB, sSFA, sSFB, mOut, tidx, wg_idx, row0,
-                              row_end, bidx, bidy, grp, k_tiles, tok_valid_last)
+            if warp_idx > 0 and cutlass.const_expr(self.cfg.diag != "no_scale_wait"):
+                kbase = Int32(0)  # k-tiles of this CTA's earlier tiles (pipeline position)
+                for t in range(bidx, num_tiles, n_ctas):
+                    tx, ty, tz = t % tiles_x, (t % tiles_xy) // tiles_x, t // tiles_xy
+                    _, _, _, a_tile0, b_tile0, k_tiles, _, _ = \
+                        self.decode_tile(tA, tB, offs, tx, ty, tz)
+                    self.scale_producer(pipe, sfA, sfB, sSFA, sSFB, a_tile0, b_tile0, kbase,
+                                        k_tiles, warp_idx - 1)
+                    kbase = kbase + k_tiles
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            for t in range(bidx, num_tiles, n_ctas):
+                tx, ty, tz = t % tiles_x, (t % tiles_xy) // tiles_x, t // tiles_xy
+                _, row0, row_end, _, _, k_tiles, tok_valid_last, grp = \
+                    self.decode_tile(tA, tB, offs, tx, ty, tz)
+                cons = self.consumer(pipe, cons, tiled_mma, sA, sB, sSFA, sSFB, mOut, tidx, wg_idx,
+                              row0, row_end, tx, ty, grp, k_tiles, tok_valid_last)
+
+    @cute.jit
+    def tile_counts(self, tA: cute.Tensor, tB: cute.Tensor, offs: cute.Tensor):
+        """(real output tiles, tiles along x, tiles per (x, y) plane). M-grouped: x = n-tiles,
+        y = the sum_g ceil(m_g/128) real m-tiles (read from offs: warp-collective). K-grouped:
+        x = tiles of b's rows, y = tiles of a's rows, z = groups (empty groups store zeros)."""
+        num_groups = cute.size(offs, mode=[0])
+        if cutlass.const_expr(self.is_m):
+            tiles_x = (cute.size(tB, mode=[0]) + TILE_N - 1) // TILE_N
+            m_tiles = GC.sum_tiles_before(offs, num_groups, TILE_M)
+            tiles_xy = tiles_x * m_tiles
+            num_tiles = tiles_xy
+        else:
+            tiles_x = (cute.size(tB, mode=[0]) + TILE_N - 1) // TILE_N
+            tiles_xy = tiles_x * ((cute.size(tA, mode=[0]) + TILE_M - 1) // TILE_M)
+            num_tiles = tiles_xy * num_groups
+        return num_tiles, tiles_x, tiles_xy
 
     @cute.jit
     def decode_tile(self, tA: cute.Tensor, tB: cute.Tensor, offs: cute.Tensor, bidx: Int32,
@@ -290,7 +374,7 @@ class Sm90GroupedGemm:
         return valid, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, grp
 
     @cute.jit
-    def tma_producer(self, pipe, tma_a, tA: cute.Tensor, tma_b, tB: cute.Tensor,
+    def tma_producer(self, pipe, state, tma_a, tA: cute.Tensor, tma_b, tB: cute.Tensor,
                      sA: cute.Tensor, sB: cute.Tensor, row0: Int32, bidx: Int32, bidy: Int32,
                      grp: Int32, k_tiles: Int32):
         if cutlass.const_expr(self.is_m):
@@ -307,7 +391,6 @@ class Sm90GroupedGemm:
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for kt in range(k_tiles):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
@@ -315,10 +398,12 @@ class Sm90GroupedGemm:
             cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
+        return state
 
     @cute.jit
-    def copy_producer(self, pipe, mA: cute.Tensor, mB: cute.Tensor, pA, pB, tok_start: Int32,
-                      tok_end: Int32, bidx: Int32, bidy: Int32, k_tiles: Int32):
+    def copy_producer(self, pipe, state, mA: cute.Tensor, mB: cute.Tensor, pA, pB,
+                      tok_start: Int32, tok_end: Int32, bidx: Int32, bidy: Int32,
+                      k_tiles: Int32):
         """K-grouped slow path for a group whose first token is not 16-byte aligned (TMA
         cannot start there): the warp copies each k-tile window with 4-byte loads + funnel
         shifts into the 128B-swizzled stage, zero past the group end, then arrives."""
@@ -327,7 +412,6 @@ class Sm90GroupedGemm:
                                 cute.make_layout(self.stages * TILE_M * TILE_K // 4))
         sB_w = cute.make_tensor(cute.recast_ptr(pB, dtype=Int32),
                                 cute.make_layout(self.stages * TILE_N * TILE_K // 4))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for kt in range(k_tiles):
             pipe.sync_object_empty.wait(state.index, state.phase)
             t0 = tok_start + kt * TILE_K
@@ -338,6 +422,7 @@ class Sm90GroupedGemm:
             if lane == 0:
                 cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
             state.advance()
+        return state
 
     @cute.jit
     def copy_window(self, mSrc: cute.Tensor, sDst: cute.Tensor, stage: Int32, row_base: Int32,
@@ -378,39 +463,95 @@ class Sm90GroupedGemm:
 
     @cute.jit
     def scale_producer(self, pipe, sfA: cute.Tensor, sfB: cute.Tensor, sSFA: cute.Tensor,
-                       sSFB: cute.Tensor, a_tile0: Int32, b_tile0: Int32, k_tiles: Int32,
-                       which: Int32):
+                       sSFB: cute.Tensor, a_tile0: Int32, b_tile0: Int32, kbase: Int32,
+                       k_tiles: Int32, which: Int32):
         """E8M0 bytes -> fp32 in smem, in the order the consumer threads read them.
 
         Lane l holds packed word w of a tile: rows ``r = l + 32 w``, its 4 bytes = blocks 0..3.
-        A rows are stored at ``pos_a(r)`` (each consumer thread's two rows r, r+8 adjacent);
-        B columns at ``pos_b(c) = q*36 + j*2 + e`` for ``c = 8j + 2q + e`` (a thread's 32
-        columns contiguous: 8 x 16-byte loads; the 4-float pad per q keeps the four q-groups of
-        a warp on different banks).
-        SCALE_WARPS warps take k-tiles round-robin (``kt % SCALE_WARPS == which``): one warp's
-        loop is bound by its global-load latency (~1 us per k-tile measured as the 32x32-mode
-        bottleneck), so three warps keep ahead of the consumers.
+        1x32 (`write_scales`): A rows at ``pos_a(r)`` (each consumer thread's two rows r, r+8
+        adjacent); B columns at ``pos_b(c) = q*36 + j*2 + e`` for ``c = 8j + 2q + e`` (a
+        thread's 32 columns contiguous: 8 x 16-byte loads; the 4-float pad per q keeps the four
+        q-groups of a warp on different banks). 32x32: `write_products`.
+        SCALE_WARPS warps take the pipeline's k-tiles round-robin: one warp's loop waits on
+        its global loads (~1 us), three keep ahead of the consumers (removing the scale work
+        altogether, diag "no_scale_wait", did not speed up 1x32 mode).
         """
         lane = cute.arch.lane_idx()
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for kt in range(k_tiles):
-            if kt % SCALE_WARPS == which:
-                wa = cute.make_rmem_tensor((4,), Int32)
-                wb = cute.make_rmem_tensor((4,), Int32)
-                # the loads do not depend on the free slot: issue them before waiting
-                for w in cutlass.range_constexpr(4):
-                    wa[w] = sfA[(a_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
-                    wb[w] = sfB[(b_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
-                pipe.sync_object_empty.wait(state.index, state.phase)
-                for w in cutlass.range_constexpr(4):
-                    r = lane + 32 * w
-                    pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
-                    pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
-                    for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-                        sSFA[pos_a, c, state.index] = _e8m0_to_f32((wa[w] >> (8 * c)) & 0xFF)
-                        sSFB[pos_b, c, state.index] = _e8m0_to_f32((wb[w] >> (8 * c)) & 0xFF)
-                cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
-            state.advance()
+        ahead = self.cfg.scale_lookahead
+        # pipeline position of this tile's k-tile kt is kbase + kt; this warp takes those with
+        # (kbase + kt) % SCALE_WARPS == which: kt = first + SCALE_WARPS * j, j < n_own. Slot
+        # j % ahead of a register ring holds k-tile j's words while later loads fly.
+        first = (which - kbase % SCALE_WARPS + SCALE_WARPS) % SCALE_WARPS
+        n_own = (k_tiles - first + SCALE_WARPS - 1) // SCALE_WARPS
+        wa = cute.make_rmem_tensor((4, ahead), Int32)
+        wb = cute.make_rmem_tensor((4, ahead), Int32)
+        for s in cutlass.range_constexpr(ahead):
+            if s < n_own:
+                self.load_scale_words(sfA, sfB, wa, wb, s, a_tile0, b_tile0,
+                                      first + SCALE_WARPS * s, lane)
+        for j0 in range(0, n_own, ahead):
+            for s in cutlass.range_constexpr(ahead):
+                j = j0 + s
+                if j < n_own:
+                    kt = first + SCALE_WARPS * j
+                    pos = kbase + kt
+                    stage = pos % self.stages
+                    # producer phase starts at 1 (make_pipeline_state) and flips per wrap
+                    pipe.sync_object_empty.wait(stage, ((pos // self.stages) % 2) ^ 1)
+                    if cutlass.const_expr(self.products):
+                        self.write_products(sSFA, wa, wb, s, stage, lane)
+                    else:
+                        self.write_scales(sSFA, sSFB, wa, wb, s, stage, lane)
+                    cute.arch.mbarrier_arrive(pipe.sync_object_full.get_barrier(stage))
+                    if j + ahead < n_own:
+                        self.load_scale_words(sfA, sfB, wa, wb, s, a_tile0, b_tile0,
+                                              kt + SCALE_WARPS * ahead, lane)
+
+    @cute.jit
+    def write_scales(self, sSFA: cute.Tensor, sSFB: cute.Tensor, wa: cute.Tensor,
+                     wb: cute.Tensor, slot: cutlass.Constexpr[int], stage: Int32, lane: Int32):
+        """1x32: row scales at ``pos_a(r)``, column scales at ``pos_b(c)`` (fp32)."""
+        for w in cutlass.range_constexpr(4):
+            r = lane + 32 * w
+            pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
+            pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
+            for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                sSFA[pos_a, c, stage] = _e8m0_to_f32((wa[w, slot] >> (8 * c)) & 0xFF)
+                sSFB[pos_b, c, stage] = _e8m0_to_f32((wb[w, slot] >> (8 * c)) & 0xFF)
+
+    @cute.jit
+    def write_products(self, sSFA: cute.Tensor, wa: cute.Tensor, wb: cute.Tensor,
+                       slot: cutlass.Constexpr[int], stage: Int32, lane: Int32):
+        """32x32: the 8 products ``sa[row] * sb[column group]`` each consumer thread needs,
+        contiguous per thread: rows r0 = 64 cwg + 16 warp + lane/4 and r0 + 8 (h = 0, 1),
+        column groups 0..3 -> ``(r0 // 16 * 8 + r0 % 8) * 8 + 4 h + cg``. Moving the 8 FMULs
+        per k-step out of the consumers' promotion (whose issue time adds to the MMA time,
+        docs/NOTES.md) onto these otherwise idle warps."""
+        # column group cg's scale is row 32*cg of the packed B tile: lane 0, word cg
+        sbw = cute.make_rmem_tensor((4,), Int32)
+        for cg in cutlass.range_constexpr(TILE_N // 32):
+            sbw[cg] = cute.arch.shuffle_sync(wb[cg, slot], 0)
+        for w in cutlass.range_constexpr(4):
+            r = lane + 32 * w
+            base = ((r // 16) * 8 + r % 8) * 8 + ((r % 16) // 8) * 4
+            for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                sa = _e8m0_to_f32((wa[w, slot] >> (8 * c)) & 0xFF)
+                prod = cute.make_rmem_tensor((TILE_N // 32,), Float32)
+                for cg in cutlass.range_constexpr(TILE_N // 32):
+                    prod[cg] = sa * _e8m0_to_f32((sbw[cg] >> (8 * c)) & 0xFF)
+                # one 16-byte store per (row, block): base is a multiple of 4 floats
+                dst = cute.make_tensor(sSFA[(None, c, stage)].iterator + base,
+                                       cute.make_layout((TILE_N // 32,)))
+                dst.store(prod.load())
+
+    @cute.jit
+    def load_scale_words(self, sfA: cute.Tensor, sfB: cute.Tensor, wa: cute.Tensor,
+                         wb: cute.Tensor, slot: cutlass.Constexpr[int], a_tile0: Int32,
+                         b_tile0: Int32, kt: Int32, lane: Int32):
+        """Lane ``lane``'s 4 words of k-tile ``kt``'s two packed scale tiles -> ring slot."""
+        for w in cutlass.range_constexpr(4):
+            wa[w, slot] = sfA[(a_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
+            wb[w, slot] = sfB[(b_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
 
     @cute.jit
     def zero_tail(self, sA: cute.Tensor, sB: cute.Tensor, stage: Int32, ct: Int32,
@@ -432,7 +573,8 @@ class Sm90GroupedGemm:
                               num_threads=THREADS_PER_WG * NUM_CONSUMER_WG).arrive_and_wait()
 
     @cute.jit
-    def consumer(self, pipe, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor,
+    def consumer(self, pipe, state, tiled_mma: cute.TiledMma, sA: cute.Tensor,
+                 sB: cute.Tensor,
                  sSFA: cute.Tensor, sSFB: cute.Tensor, mOut: cute.Tensor, tidx: Int32,
                  wg_idx: Int32, row0: Int32, row_end: Int32, bidx: Int32, bidy: Int32,
                  grp: Int32, k_tiles: Int32, tok_valid_last: Int32):
@@ -454,7 +596,6 @@ class Sm90GroupedGemm:
         pos_a = ((cwg * 4 + warp_in_wg) * 8 + lane // 4) * 2
         q = lane % 4
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for kt in range(k_tiles):
             pipe.consumer_wait(state)
             stage = state.index
@@ -462,28 +603,35 @@ class Sm90GroupedGemm:
                 # (the slow copy path zero-fills past the group end itself)
                 if kt == k_tiles - 1 and tok_valid_last < TILE_K and row0 % TMA_INNER_ALIGN == 0:
                     self.zero_tail(sA, sB, stage, ct, tok_valid_last)
-            if cutlass.const_expr(self.cfg.double_tmp):
+            if cutlass.const_expr(self.cfg.diag == "no_promote"):
+                for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, blk, stage)],
+                              tCrB[(None, None, blk, stage)], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+            elif cutlass.const_expr(self.cfg.double_tmp):
+                # tmp0 takes blocks 0, 2 and tmp1 blocks 1, 3; block j is promoted while the
+                # wgmma of block j+1 runs. Scales are read before the wait (hoist_scales) so
+                # the shared-memory latency hides under the wgmma.
                 self.mma_step(tiled_mma, tmp0, tCrA, tCrB, 0, stage)
                 self.mma_step(tiled_mma, tmp1, tCrA, tCrB, 1, stage)
-                cute.nvgpu.warpgroup.wait_group(1)
-                self.promote(acc, tmp0, sSFA, sSFB, stage, 0, pos_a, q)
+                self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, 0, pos_a, q, 1)
                 self.mma_step(tiled_mma, tmp0, tCrA, tCrB, 2, stage)
-                cute.nvgpu.warpgroup.wait_group(1)
-                self.promote(acc, tmp1, sSFA, sSFB, stage, 1, pos_a, q)
+                self.wait_and_promote(acc, tmp1, sSFA, sSFB, stage, 1, pos_a, q, 1)
                 self.mma_step(tiled_mma, tmp1, tCrA, tCrB, 3, stage)
-                cute.nvgpu.warpgroup.wait_group(1)
-                self.promote(acc, tmp0, sSFA, sSFB, stage, 2, pos_a, q)
-                cute.nvgpu.warpgroup.wait_group(0)
-                self.promote(acc, tmp1, sSFA, sSFB, stage, 3, pos_a, q)
+                self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, 2, pos_a, q, 1)
+                self.wait_and_promote(acc, tmp1, sSFA, sSFB, stage, 3, pos_a, q, 0)
             else:
                 for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
                     self.mma_step(tiled_mma, tmp0, tCrA, tCrB, blk, stage)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    self.promote(acc, tmp0, sSFA, sSFB, stage, blk, pos_a, q)
+                    self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, blk, pos_a, q, 0)
             pipe.consumer_release(state)
             state.advance()
 
         self.epilogue(acc, mOut, cwg, warp_in_wg, lane, row0, row_end, bidx, bidy, grp)
+        return state
 
     @cute.jit
     def mma_step(self, tiled_mma: cute.TiledMma, tmp: cute.Tensor, tCrA: cute.Tensor,
@@ -491,38 +639,74 @@ class Sm90GroupedGemm:
         """tmp = A[:, blk] . B[:, blk]^T: one wgmma k=32 step, i.e. one scale block."""
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         cute.nvgpu.warpgroup.fence()
-        cute.gemm(tiled_mma, tmp, tCrA[(None, None, blk, stage)],
-                  tCrB[(None, None, blk, stage)], tmp)
+        if cutlass.const_expr(self.cfg.diag != "promote_only"):
+            cute.gemm(tiled_mma, tmp, tCrA[(None, None, blk, stage)],
+                      tCrB[(None, None, blk, stage)], tmp)
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def promote(self, acc: cute.Tensor, tmp: cute.Tensor, sSFA: cute.Tensor,
-                sSFB: cute.Tensor, stage: Int32,
-                blk: cutlass.Constexpr[int], pos_a: Int32, q: Int32):
-        """acc += tmp * sa[row] * sb[col] for scale block ``blk``.
+    def wait_and_promote(self, acc: cute.Tensor, tmp: cute.Tensor, sSFA: cute.Tensor,
+                         sSFB: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                         pos_a: Int32, q: Int32, pending: cutlass.Constexpr[int]):
+        """Wait until at most ``pending`` wgmma groups are in flight (the one that wrote
+        ``tmp`` is done), then ``acc += tmp * sa[row] * sb[col]`` for scale block ``blk``."""
+        if cutlass.const_expr(self.hoist_scales):
+            sa0, sa1, sb = self.load_scales(sSFA, sSFB, stage, blk, pos_a, q)
+            cute.nvgpu.warpgroup.wait_group(pending)
+            self.promote(acc, tmp, sa0, sa1, sb)
+        else:
+            cute.nvgpu.warpgroup.wait_group(pending)
+            sa0, sa1, sb = self.load_scales(sSFA, sSFB, stage, blk, pos_a, q)
+            self.promote(acc, tmp, sa0, sa1, sb)
+
+    @cute.jit
+    def load_scales(self, sSFA: cute.Tensor, sSFB: cute.Tensor, stage: Int32,
+                    blk: cutlass.Constexpr[int], pos_a: Int32, q: Int32):
+        """(sa0, sa1, sb): this thread's two row scales and its column scales of ``blk``.
+
+        1x32: ``sb`` holds the thread's 32 column scales (8 x 16-byte loads); 32x32: ``sb``
+        holds the 8 products row scale x column-group scale (4 column groups x 2 rows).
+        """
+        if cutlass.const_expr(self.products):
+            # the 8 products written by write_products (pos_a // 2 = this thread's r0 index)
+            sa0 = Float32(1.0)
+            sa1 = Float32(1.0)
+            sb = cute.make_rmem_tensor((2 * (TILE_N // 32),), Float32)
+            view = cute.make_tensor(sSFA[(None, blk, stage)].iterator + (pos_a // 2) * 8,
+                                    cute.make_layout((2 * (TILE_N // 32),)))
+            sb.store(view.load())
+        elif cutlass.const_expr(self.block32):
+            sa0 = sSFA[pos_a, blk, stage]
+            sa1 = sSFA[pos_a + 1, blk, stage]
+            sb = cute.make_rmem_tensor((2 * (TILE_N // 32),), Float32)
+            for cg in cutlass.range_constexpr(TILE_N // 32):
+                sbc = sSFB[8 * cg, blk, stage]  # column 32*cg: j = 4*cg, q = 0, e = 0
+                sb[cg] = sa0 * sbc
+                sb[TILE_N // 32 + cg] = sa1 * sbc
+        else:
+            sa0 = sSFA[pos_a, blk, stage]
+            sa1 = sSFA[pos_a + 1, blk, stage]
+            sb = cute.make_rmem_tensor((TILE_N // 4,), Float32)
+            sb_view = cute.make_tensor(sSFB[(None, blk, stage)].iterator + q * SFB_Q_STRIDE,
+                                       cute.make_layout((TILE_N // 4,)))
+            sb.store(sb_view.load())
+        return sa0, sa1, sb
+
+    @cute.jit
+    def promote(self, acc: cute.Tensor, tmp: cute.Tensor, sa0: Float32, sa1: Float32,
+                sb: cute.Tensor):
+        """acc += tmp * sa[row] * sb[col] (scales from `load_scales`).
 
         Accumulator fragment of wgmma m64nN (fp32): value i sits at row ``lane/4 + 8*((i/2)%2)``
         and column ``8*(i/4) + 2*(lane%4) + i%2`` of the warp's 16-row slab.
         """
-        sa0 = sSFA[pos_a, blk, stage]
-        sa1 = sSFA[pos_a + 1, blk, stage]
         if cutlass.const_expr(self.block32):
-            # one column scale per 32 columns: 4 column groups x 2 rows = 8 products
-            prods = cute.make_rmem_tensor((2, TILE_N // 32), Float32)
-            for cg in cutlass.range_constexpr(TILE_N // 32):
-                sb = sSFB[8 * cg, blk, stage]  # column 32*cg: j = 4*cg, q = 0, e = 0
-                prods[0, cg] = sa0 * sb
-                prods[1, cg] = sa1 * sb
             for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] + tmp[i] * prods[(i // 2) % 2, (i // 4) // 4]
+                acc[i] = acc[i] + tmp[i] * sb[((i // 2) % 2) * (TILE_N // 32) + (i // 4) // 4]
         else:
-            sbv = cute.make_rmem_tensor((TILE_N // 4,), Float32)
-            sb_view = cute.make_tensor(sSFB[(None, blk, stage)].iterator + q * SFB_Q_STRIDE,
-                                       cute.make_layout((TILE_N // 4,)))
-            sbv.store(sb_view.load())
             for i in cutlass.range_constexpr(cute.size(acc)):
                 sa = sa0 if (i // 2) % 2 == 0 else sa1
-                acc[i] = acc[i] + tmp[i] * (sa * sbv[(i // 4) * 2 + i % 2])
+                acc[i] = acc[i] + tmp[i] * (sa * sb[(i // 4) * 2 + i % 2])
 
     @cute.jit
     def epilogue(self, acc: cute.Tensor, mOut: cute.Tensor, cwg: Int32, warp_in_wg: Int32,
@@ -593,34 +777,66 @@ def _output(p: GC.GroupedProblem, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def _sm_count(t: torch.Tensor) -> int:
+    """Multiprocessors of ``t``'s GPU: the persistent grid's size (one CTA per SM fits)."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count
+
+
+def _tuned(cfg: Sm90GroupedGemmConfig, tuning: dict | None) -> Sm90GroupedGemmConfig:
+    """``cfg`` with the tuning fields of ``tuning`` (benchmarks/tune_grouped_gemm_sm90.py)."""
+    if not tuning:
+        return cfg
+    fixed = {"variant", "out_dtype", "b_block_rows"}
+    if fixed & set(tuning):
+        raise ValueError(f"tuning may not change {sorted(fixed & set(tuning))}")
+    return dataclasses.replace(cfg, **tuning)
+
+
 def grouped_mm_m(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
-                 out: torch.Tensor | None = None):
+                 out: torch.Tensor | None = None, tuning: dict | None = None):
     """2D x 3D M-grouped MXFP8 GEMM on sm_90a (see `moe_mxfp8.gemm.grouped_mm_m`).
 
     ``out`` (optional, tests): a preallocated output that the kernel overwrites entirely.
+    ``tuning`` (optional, benchmarks): overrides of `Sm90GroupedGemmConfig`'s tuning fields.
     """
     p = GC.describe_m(a, b, offs, out_dtype)
     GC.check_implementable(p, n_multiple=32, k_multiple=32)
     out = _output(p, out)
     if p.m == 0:
         return out
-    cfg = Sm90GroupedGemmConfig("m", str(out_dtype).split(".")[-1], b.block_rows)
+    cfg = _tuned(Sm90GroupedGemmConfig("m", str(out_dtype).split(".")[-1], b.block_rows,
+                                       max_ctas=_sm_count(out)), tuning)
     tensors = [(a.data, 1), (b.data.permute(1, 2, 0), 1), (out, 1), (_words(a.scale), 0),
                (_words(b.scale), 0), (offs, 0)]
     return _run(cfg, p.static_key(), tensors, out)
 
 
 def grouped_mm_k(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
-                 out: torch.Tensor | None = None):
-    """2D x 2D K-grouped (wgrad) MXFP8 GEMM on sm_90a (see `moe_mxfp8.gemm.grouped_mm_k`)."""
+                 out: torch.Tensor | None = None, tuning: dict | None = None,
+                 groups_aligned: bool = False):
+    """2D x 2D K-grouped (wgrad) MXFP8 GEMM on sm_90a (see `moe_mxfp8.gemm.grouped_mm_k`).
+
+    TMA reads the tokens, so every group must start on a 16-token boundary: unless the caller
+    says so (``groups_aligned=True``, e.g. `MXFP8MoE`, which pads its groups), the fp8 data of
+    both operands is first re-laid out on the GPU with each group moved to a 16-aligned start
+    (`grouped_gemm_common.align_k_groups`: one gather per operand, ~1.2 ms at the dsv3 wgrad
+    shape; the scales and the result are unchanged). A group that is nevertheless unaligned
+    takes the kernel's slow copy path (correct, ~20x slower).
+    """
     p = GC.describe_k(a, b, offs, out_dtype)
-    # TMA reads tokens along rows: a 16-byte aligned row stride needs M % 16 == 0
-    GC.check_implementable(p, n_multiple=32, k_multiple=32, m_multiple=16)
+    # TMA reads tokens along rows: the row stride must be 16-byte aligned (M % 16 == 0), which
+    # the re-layout provides (its width is a multiple of 16)
+    GC.check_implementable(p, n_multiple=32, k_multiple=32,
+                           m_multiple=16 if groups_aligned else 1)
     out = _output(p, out)
     if p.m == 0:
         return out.zero_()
-    cfg = Sm90GroupedGemmConfig("k", str(out_dtype).split(".")[-1], 1)
-    tensors = [(a.data, 1), (b.data, 1), (out.permute(1, 2, 0), 1), (_words(a.scale), 0),
+    a_data, b_data = a.data, b.data
+    if not groups_aligned:
+        a_data, b_data, offs = GC.align_k_groups(a_data, b_data, offs)
+    cfg = _tuned(Sm90GroupedGemmConfig("k", str(out_dtype).split(".")[-1], 1,
+                                       max_ctas=_sm_count(out)), tuning)
+    tensors = [(a_data, 1), (b_data, 1), (out.permute(1, 2, 0), 1), (_words(a.scale), 0),
                (_words(b.scale), 0), (offs, 0)]
     return _run(cfg, p.static_key(), tensors, out)
 
