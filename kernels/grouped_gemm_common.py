@@ -13,6 +13,8 @@ Stable API (append-only: kernels of both archs import it)::
     k_tiles_bound(m, num_groups, tile_k)         # same bound, for the reduced axis of wgrad
     scale_tiles_per_row_tile(k)                  # ceil(ceil(k/32)/4): packed tiles per 128 rows
     expert_scale_stride_bytes(rows, k)           # bytes between experts' packed scales (weights)
+    k_aligned_extent(m, num_groups, align)       # static token extent of `align_k_groups`' output
+    align_k_groups(a_data, b_data, offs, align)  # MODE_K data with 16-aligned group starts
 
 Shapes (``GroupedProblem`` fields), both modes written as ``out = a . b^T`` over the reduced axis:
 
@@ -198,6 +200,122 @@ def scale_tiles_per_row_tile(k: int) -> int:
 def expert_scale_stride_bytes(rows: int, k: int) -> int:
     """Bytes between consecutive experts' packed scales of ``(E, rows, k)`` weights."""
     return L.expert_scale_stride(rows, L.ceil_div(k, L.BLOCK_SIZE))
+
+
+# ---------------------------------------------------------------------------------------------
+# MODE_K token alignment: re-lay the fp8 data so that every group starts on a multiple of 16
+# ---------------------------------------------------------------------------------------------
+
+# Why it is exact with the SAME packed scales (tests/kernels/test_align_k_groups.py checks each
+# point): padding group g from m_g to round_up(m_g, a) tokens, a | 32, keeps
+#   ceil(round_up(m, a) / 32) == ceil(m / 32)    (blocks per group: dense scale columns) and
+#   ceil(round_up(m, a) / 128) == ceil(m / 128)  (KBp_g / 4: the group's packed-scale base),
+# the new tokens fall in the group's last (already virtually zero-padded) 32-block, and a zero
+# token adds exactly 0 to every dot product. So only the data and offs change.
+K_GROUP_ALIGN = 16  # tokens: TMA needs 16-byte aligned coordinates; fp8 is 1 byte a token
+
+
+def k_aligned_extent(m: int, num_groups: int, align: int = K_GROUP_ALIGN) -> int:
+    """Static token extent ``Mp`` of `align_k_groups`' output, from shapes only.
+
+    ``sum_g round_up(m_g, align) <= m + (align - 1) * G``; rounded up to 16 so that the row
+    stride of the ``(rows, Mp)`` fp8 output is 16-byte aligned for TMA. Equals
+    ``moe_mxfp8.moe._padded_extent(m, G)`` for ``align = 16``.
+    """
+    if align <= 0 or L.BLOCK_SIZE % align:
+        raise ValueError(f"align must divide {L.BLOCK_SIZE} (scale blocks stay the same only "
+                         f"then), got {align}")
+    return L.round_up(m + (align - 1) * num_groups, max(align, TMA_ALIGN_BYTES))
+
+
+def _k_align_indices(offs: torch.Tensor, m: int, mp: int, align: int):
+    """(source column of each of the ``mp`` output columns, ``mp - m`` gap columns, new offs).
+
+    All on ``offs``' device, sizes from ``m``/``mp``/``E`` only (no host sync). Group g holds
+    ``max(offs[g] - offs[g-1], 0)`` tokens (as the kernels read it) and is placed at
+    ``pstart_g = sum_{h<g} round_up(m_h, align)``. Output columns that hold no token ("gaps":
+    each group's pad, then the tail past the last group) get source column 0 in the gather
+    and are zeroed afterwards through the gap list.
+    """
+    dev = offs.device
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    sizes = (ends - starts).clamp(min=0)
+    padded = (sizes + (align - 1)) // align * align
+    pend = torch.cumsum(padded, 0)
+    pstart = pend - padded
+    last = offs.numel() - 1
+
+    # gather index: output column j -> source token, or 0 (zeroed later) for a gap column
+    j = torch.arange(mp, device=dev, dtype=torch.int64)
+    g = torch.searchsorted(pend, j, right=True).clamp(max=last)  # empty groups own no column
+    local = j - pstart[g]
+    real = local < sizes[g]  # past pend[-1]: g = last group and local >= padded[last]
+    # clamp: a malformed offs (offs[-1] > m) must not index out of bounds (device assert)
+    src = torch.where(real, starts[g] + local, 0).clamp(max=max(m - 1, 0))
+
+    # gap list, static length mp - m: each group's pad columns in order, then the tail from
+    # pend[-1]. With offs[-1] == m there are exactly mp - m gap columns, so the list is all of
+    # them; the clamp only matters for offs[-1] != m (duplicates are harmless for a fill).
+    pad = padded - sizes
+    pad_end = torch.cumsum(pad, 0)
+    k = torch.arange(mp - m, device=dev, dtype=torch.int64)
+    h = torch.searchsorted(pad_end, k, right=True)
+    hc = h.clamp(max=last)
+    in_pad = pstart[hc] + sizes[hc] + (k - (pad_end[hc] - pad[hc]))
+    in_tail = pend[-1] + (k - pad_end[-1])
+    gaps = torch.where(h <= last, in_pad, in_tail).clamp(max=mp - 1)
+    return src, gaps, pend.to(torch.int32)
+
+
+def align_k_groups(a_data: torch.Tensor, b_data: torch.Tensor, offs: torch.Tensor,
+                   align: int = K_GROUP_ALIGN):
+    """Re-lay MODE_K (wgrad) fp8 operands so that every group starts on a multiple of ``align``.
+
+    ``a_data (N, M)`` and ``b_data (K, M)`` (float8_e4m3fn or uint8, tokens along the last dim)
+    -> ``(a_aligned (N, Mp), b_aligned (K, Mp), offs_aligned (E,) int32)`` with
+    ``Mp = k_aligned_extent(M, E, align)`` (a static multiple of 16). Group g's ``m_g`` tokens
+    move to columns ``[P_g, P_g + m_g)``, ``P_g = sum_{h<g} round_up(m_h, align)``; the pad
+    columns up to ``offs_aligned[g] = P_g + round_up(m_g, align)`` are zero, and so is every
+    column past ``offs_aligned[-1] <= Mp`` when ``offs[-1] == M`` (the project's convention;
+    with ``offs[-1] < M`` the first ``Mp - M`` of them are zero and the rest hold the
+    ungrouped tokens, which no group reads).
+
+    The packed scales of both operands are used UNCHANGED with ``offs_aligned``: ``align`` must
+    divide 32, and then every group keeps its 32-blocks and its packed-scale base (see
+    `K_GROUP_ALIGN`'s comment). The GEMM result is bit-identical. Note: ``describe_k`` sizes the
+    scale buffers from the data width, so check the ORIGINAL operands, not ``Mp``
+    (``grouped_k_scale_bytes(rows, Mp, E)`` exceeds the buffer by up to ``ceil((Mp - M) / 128)``
+    128-token tile sets: 1 at dsv3; the bytes actually read are the same).
+
+    No host sync and static shapes (CUDA graphs, ``torch.compile(fullgraph=True)``): one
+    index computation (O(Mp + E) int64, shared by both operands), then per operand one
+    ``index_select`` along the tokens (reads the ``M`` source columns once, writes ``Mp``) and an
+    ``index_fill_`` of the ``Mp - M`` gap columns. fp8 moves as uint8.
+
+    Cost at the dsv3 wgrad shape (N=4096, K=7168, M=131072, E=8, align 16): Mp = 131200;
+    read 11264 x 131072 = 1.476 GB, write 11264 x 131200 = 1.478 GB (+ ~1 MB index, 1.4 MB
+    gap fill) = 2.95 GB -> 1.21 ms at the measured 2.44 TB/s copy rate (model; not yet timed on
+    the H100). The GEMM it unlocks: 7.70 TFLOP at 394 TF/s = 19.5 ms aligned, vs 447 ms on the
+    unaligned slow path.
+    """
+    if a_data.dim() != 2 or b_data.dim() != 2 or a_data.shape[1] != b_data.shape[1]:
+        raise ValueError(f"align_k_groups needs (N, M) and (K, M) data, got "
+                         f"{tuple(a_data.shape)} and {tuple(b_data.shape)}")
+    if offs.dim() != 1 or offs.numel() == 0:
+        raise ValueError("offs must be a 1D tensor of cumulative group ends with >= 1 group")
+    m = a_data.shape[1]
+    mp = k_aligned_extent(m, offs.numel(), align)
+    src, gaps, offs_aligned = _k_align_indices(offs, m, mp, align)
+    outs = []
+    for t in (a_data, b_data):
+        u8 = t.view(torch.uint8)  # same element size: a view, any strides
+        if m == 0:  # nothing to gather (static shape); every column is a gap
+            out = u8.new_zeros(u8.shape[0], mp)
+        else:
+            out = u8.index_select(1, src).index_fill_(1, gaps, 0)
+        outs.append(out.view(t.dtype))
+    return outs[0], outs[1], offs_aligned
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ real Blackwell GPU runs `moe_mxfp8.selfcheck` and refuses to run if the results 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -940,8 +941,17 @@ def _grouped_mm_m_unchecked(a, b, offs, out_dtype=torch.bfloat16):
     return _run(ggc.describe_m(a, b, offs, out_dtype), a, b, offs)
 
 
-def _grouped_mm_k_unchecked(a, b, offs, out_dtype=torch.bfloat16):
-    return _run(ggc.describe_k(a, b, offs, out_dtype), a, b, offs)
+def _grouped_mm_k_unchecked(a, b, offs, out_dtype=torch.bfloat16, groups_aligned=False):
+    problem = ggc.describe_k(a, b, offs, out_dtype)
+    if not groups_aligned and problem.m > 0:
+        # Every group to a 16-token aligned start (exact: scales unchanged, result identical;
+        # `ggc.align_k_groups`): on Hopper a TMA box whose innermost coordinate is not 16-byte
+        # aligned traps (measured, docs/NOTES.md), and the same host code serves both archs.
+        a_data, b_data, offs = ggc.align_k_groups(a.data, b.data, offs)
+        a = dataclasses.replace(a, data=a_data)
+        b = dataclasses.replace(b, data=b_data)
+        problem = dataclasses.replace(problem, m=a_data.shape[1])
+    return _run(problem, a, b, offs)
 
 
 def grouped_mm_m(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
@@ -954,12 +964,16 @@ def grouped_mm_m(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
 
 
 def grouped_mm_k(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """K-grouped 2D x 2D MXFP8 GEMM on Blackwell: ``(N, M) x (K, M) -> (E, N, K)``."""
+                 out_dtype: torch.dtype = torch.bfloat16, *,
+                 groups_aligned: bool = False) -> torch.Tensor:
+    """K-grouped 2D x 2D MXFP8 GEMM on Blackwell: ``(N, M) x (K, M) -> (E, N, K)``.
+
+    ``groups_aligned``: the caller guarantees 16-token aligned group starts (else the fp8 data
+    is re-laid out first, as on sm90)."""
     from moe_mxfp8 import selfcheck
 
     selfcheck.ensure_verified("sm100.grouped_mm_k", _grouped_mm_k_unchecked, a.device)
-    return _grouped_mm_k_unchecked(a, b, offs, out_dtype)
+    return _grouped_mm_k_unchecked(a, b, offs, out_dtype, groups_aligned)
 
 
 grouped_mm_ref = R.grouped_mm  # the pure-PyTorch definition these kernels are checked against

@@ -65,8 +65,14 @@ def grouped_mm_m(
 def grouped_mm_k(
     a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor, *,
     out_dtype: torch.dtype = torch.bfloat16, backend: str | None = "auto",
+    groups_aligned: bool = False,
 ) -> torch.Tensor:
-    """K-grouped ``out[g] = a[:, g] @ b[:, g].T``: ``(N, M) x (K, M) -> (E, N, K)``."""
+    """K-grouped ``out[g] = a[:, g] @ b[:, g].T``: ``(N, M) x (K, M) -> (E, N, K)``.
+
+    ``groups_aligned``: the caller guarantees that every group starts on a multiple of 16
+    tokens and ``M % 16 == 0`` (as `MXFP8MoE` arranges); the kernels then skip re-laying the
+    fp8 data out to such starts (a gather of both operands, ~6% of the GEMM at dsv3).
+    """
     check_grouped_operands(a, b, offs, out_dtype)
     if a.group_axis != "k" or b.group_axis != "k":
         raise ValueError("grouped_mm_k needs operands quantized along M per group (offs=...)")
@@ -77,4 +83,4 @@ def grouped_mm_k(
         return R.grouped_mm(a, b, offs, out_dtype)
     from .kernels import lookup
 
-    return lookup("grouped_mm_k", be)(a, b, offs, out_dtype)
+    return lookup("grouped_mm_k", be)(a, b, offs, out_dtype, groups_aligned=groups_aligned)

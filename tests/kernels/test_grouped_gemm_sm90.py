@@ -130,8 +130,10 @@ def test_rejects_k_grouped_tokens_not_multiple_of_16():
     offs = torch.tensor([17, 40], dtype=torch.int32)
     a = R.quantize_colwise_ref(dy, offs=offs)
     b = R.quantize_colwise_ref(x, offs=offs)
+    # the caller promising aligned groups must also give a 16-byte row stride; without the
+    # promise the entry point re-lays the groups out (any M; tested on the GPU)
     with pytest.raises(ValueError, match="M = 40 must be a multiple of 16"):
-        K.grouped_mm_k(a, b, offs, torch.bfloat16)
+        K.grouped_mm_k(a, b, offs, torch.bfloat16, groups_aligned=True)
 
 
 def test_rejects_ungrouped_a_with_several_experts():
@@ -180,6 +182,14 @@ def _sizes(name: str, seed: int) -> list[int]:
     pad = (-sum(sizes)) % 16
     sizes[-1] += pad
     return sizes
+
+
+def _wgrad_operands(m: int, n: int, k: int, offs: torch.Tensor):
+    """Fresh random dY (M, N) and X (M, K) quantized along the tokens per group: a (N, M),
+    b (K, M), on offs' device."""
+    dy = torch.randn(m, n, device=offs.device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=offs.device, dtype=torch.bfloat16)
+    return R.quantize_colwise_ref(dy, offs=offs), R.quantize_colwise_ref(x, offs=offs)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -268,10 +278,7 @@ def test_wgrad_matches_reference(grouping, out_dtype):
     sizes = _sizes(grouping, seed)
     m, n, k = sum(sizes), 160, 288
     offs = _offs(sizes, dev)
-    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    a = R.quantize_colwise_ref(dy, offs=offs)  # (N, M)
-    b = R.quantize_colwise_ref(x, offs=offs)  # (K, M)
+    a, b = _wgrad_operands(m, n, k, offs)
     out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=out_dtype)
     K.grouped_mm_k(a, b, offs, out_dtype, out=out)
     ref = R.grouped_mm(a, b, offs, torch.float32)
@@ -310,3 +317,62 @@ def test_dispatch_and_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     _check(out2, R.grouped_mm(a2, b, offs, torch.float32), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("max_ctas", [1, 3])
+@pytest.mark.parametrize("op", ["fprop", "fprop32", "wide_n", "wgrad"])
+def test_persistent_loop_walks_every_tile(op, max_ctas):
+    """Few CTAs, many tiles: each CTA walks several tiles with the pipeline (stage index,
+    phase, scale-warp round-robin) running on across them; K = 1056 gives 9 k-tiles (> the
+    6 stages) per tile, and the groups include empty and partial ones."""
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    torch.manual_seed(7 + max_ctas)
+    sizes = _sizes("E8_edge", 3)
+    offs = _offs(sizes, dev)
+    m = sum(sizes)
+    tuning = {"max_ctas": max_ctas}
+    if op in ("fprop", "fprop32", "wide_n"):
+        n, k = (288, 1056) if op != "wide_n" else (1056, 288)  # wide_n: 9 n-tiles
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+        a = R.quantize_rowwise_ref(x, offs=offs)
+        b = R.quantize_weights_ref(w, axis="K", block_rows=32 if op == "fprop32" else 1)
+        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        K.grouped_mm_m(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
+    else:
+        n, k = 160, 288
+        a, b = _wgrad_operands(m, n, k, offs)
+        out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.bfloat16)
+        K.grouped_mm_k(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
+    _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("grouping", ["E8_edge", "E128"])
+def test_wgrad_unaligned_groups_relayout_equals_slow_path(grouping):
+    """Unaligned group starts: the default entry point (re-layout to 16-aligned starts, TMA
+    path) gives bit-identical output to the kernel's own slow copy path (groups_aligned=True
+    on the original layout), and odd M (not a multiple of 16) is accepted."""
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    torch.manual_seed(11)
+    sizes = _e128_sizes(5) if grouping == "E128" else list(GROUPINGS[grouping])
+    m = sum(sizes)
+    offs = _offs(sizes, dev)
+    n, k = 96, 160
+    a, b = _wgrad_operands(m, n, k, offs)
+    out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.float32)
+    K.grouped_mm_k(a, b, offs, torch.float32, out=out)
+    _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.float32)
+    if m % 16 == 0:
+        slow = torch.full_like(out, float("nan"))
+        K.grouped_mm_k(a, b, offs, torch.float32, out=slow, groups_aligned=True)
+        assert torch.equal(out, slow)
