@@ -109,7 +109,8 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
     bf16 = MXFP8MoE(shape.dim, shape.hidden, shape.num_experts, shape.top_k, precision="bf16",
                     device="cuda")
     mx = MXFP8MoE(shape.dim, shape.hidden, shape.num_experts, shape.top_k, precision="mxfp8",
-                  backend=args.backend, device="cuda", save_colwise=args.save_colwise)
+                  backend=args.backend, device="cuda", save_colwise=bool(args.save_colwise),
+                  weight_blocks=args.weight_blocks, wgrad=args.wgrad)
     mx.load_state_dict(bf16.state_dict())
     for m in (bf16, mx):
         impose_routing(m, ids, weights)
@@ -137,6 +138,8 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
         flops = shape.gemm_flops(backward)
         row = {
             "shape": shape.name, "routing": "balanced" if skew == 0 else f"skew{skew:g}",
+            "weight_blocks": args.weight_blocks, "wgrad": args.wgrad,
+            "save_colwise": bool(args.save_colwise),
             "pass": "fwd+bwd" if backward else "fwd", **asdict(shape),
             "bf16_ms": res["bf16"][0] / 1e3, "mxfp8_ms": res["mxfp8"][0] / 1e3,
             "bf16_tflops": flops / res["bf16"][0] / 1e6,
@@ -179,7 +182,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="dsv3,qwen3,mixtral")
     ap.add_argument("--skews", default="0,2", help="0 = balanced; s: p_e ∝ exp(-s e / E)")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--save-colwise", action="store_true")
+    ap.add_argument("--save-colwise", type=int, default=1, choices=(0, 1),
+                    help="MXFP8MoE save_colwise (module default 1)")
+    ap.add_argument("--weight-blocks", default="1x32", choices=("1x32", "32x32"))
+    ap.add_argument("--wgrad", default="mxfp8", choices=("mxfp8", "bf16"))
     # Eager by default: a whole layer step is 10-150 ms, so launch gaps matter little, and a
     # failed capture leaks its private memory pool (seen: OOM at dsv3 on an 80 GB H100).
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays")

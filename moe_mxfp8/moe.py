@@ -15,7 +15,9 @@ Shapes (``T`` tokens = product of the leading dims of ``x``, ``E`` experts, ``k 
     experts     h = grouped_mm(x_sorted, w_gate_up^T)       (T*k, 2H)  gate | up
                 a = silu(gate) * up                          (T*k, H)
                 y = grouped_mm(a, w_down^T)                  (T*k, D)
-    combine     un-permute (scatter back to (T, k, D)), weighted sum over k  -> (T, D) -> (..., D)
+    combine     un-permute (scatter back to (T, k, D)), weighted sum over k  -> (T, D)
+    shared      (num_shared_experts = S > 0) a dense SwiGLU FFN of hidden size S*H on every
+                token, in BF16 for both precisions, added:  out += shared(x)  -> (..., D)
 
 The auxiliary load-balancing loss (Switch / GShard) of the last forward is ``module.aux_loss``::
 
@@ -33,11 +35,11 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from einops import einsum, rearrange
+from einops import rearrange
 from torch import nn
 
 from . import layout as L
-from .ops import WGRAD_MODES, WGRAD_ROW_ALIGN, grouped_mm
+from .ops import WGRAD_MODES, WGRAD_ROW_ALIGN, check_weight_blocks, grouped_mm
 
 PRECISIONS = ("mxfp8", "bf16")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -82,6 +84,13 @@ class MXFP8MoE(nn.Module):
         save_colwise: forward saves the FP8 columnwise copy of the expert GEMM inputs for
             wgrad instead of re-quantizing them in backward (default; measured: same time, less
             memory -- see `moe_mxfp8.grouped_mm`).
+        weight_blocks: ``"1x32"`` (default) or ``"32x32"``: scale blocks of the routed expert
+            weights in fprop and dgrad (mxfp8 only; see `moe_mxfp8.grouped_mm`).
+        num_shared_experts: ``S >= 0`` shared experts (DeepSeek-V3 / Qwen-MoE / torchtitan): one
+            dense SwiGLU FFN of hidden size ``S * hidden_dim`` -- torchtitan's
+            ``FeedForward(dim, hidden_dim * num_shared_experts)`` -- applied to every token, its
+            output added to the routed output. It runs in BF16 (``F.linear``) for both
+            precisions: like torchao, which converts only the routed experts to MXFP8.
         device, dtype: of the parameters. ``dtype`` may be bfloat16 (default), float32 (e.g.
             master weights; cast to BF16 for the expert GEMMs in forward) or float16.
 
@@ -91,13 +100,15 @@ class MXFP8MoE(nn.Module):
         ``w_gate_up`` ``(E, 2H, D)``: gate rows ``[0, H)`` and up rows ``[H, 2H)`` of each expert,
             stored ``(E, N, K)`` so the forward uses ``w_gate_up.transpose(-2, -1)``.
         ``w_down`` ``(E, D, H)``.
+        With ``S > 0`` shared experts (``Hs = S * H``): ``shared_w_gate_up`` ``(2 Hs, D)`` (gate
+        rows ``[0, Hs)``, up rows ``[Hs, 2 Hs)``) and ``shared_w_down`` ``(D, Hs)``.
 
     Attributes set by each forward:
         ``aux_loss``: scalar float32 tensor (in the graph), ``None`` before the first forward.
         ``tokens_per_expert``: ``(E,)`` int64, detached (routed (token, slot) pairs per expert).
 
     Input ``x (..., D)`` in bfloat16, float16 or float32; the output has x's shape and dtype.
-    Experts compute in BF16 (MXFP8 inside the GEMMs), the router in float32.
+    Experts compute in BF16 (MXFP8 inside the routed experts' GEMMs), the router in float32.
     """
 
     check_finite: bool = True  # check the router scores for NaN/Inf (no host sync on GPU)
@@ -116,6 +127,8 @@ class MXFP8MoE(nn.Module):
         aux_loss_coef: float = 0.01,
         wgrad: str = "mxfp8",
         save_colwise: bool = True,
+        weight_blocks: str = "1x32",
+        num_shared_experts: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -135,6 +148,15 @@ class MXFP8MoE(nn.Module):
             )
         if wgrad not in WGRAD_MODES:
             raise ValueError(f"MXFP8MoE: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
+        check_weight_blocks(weight_blocks, "MXFP8MoE")
+        if (
+            not isinstance(num_shared_experts, int)
+            or isinstance(num_shared_experts, bool)
+            or num_shared_experts < 0
+        ):
+            raise ValueError(
+                f"MXFP8MoE: num_shared_experts must be an int >= 0, got {num_shared_experts!r}"
+            )
         if dtype not in PARAM_DTYPES:
             raise TypeError(f"MXFP8MoE: dtype must be one of {PARAM_DTYPES}, got {dtype}")
         if precision == "mxfp8":
@@ -155,22 +177,36 @@ class MXFP8MoE(nn.Module):
         self.aux_loss_coef = float(aux_loss_coef)
         self.wgrad = wgrad
         self.save_colwise = bool(save_colwise)
+        self.weight_blocks = weight_blocks
+        self.num_shared_experts = num_shared_experts
+        self.shared_hidden_dim = num_shared_experts * hidden_dim  # torchtitan's FeedForward
 
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(dim, num_experts, bias=False, **factory)
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **factory))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
+        if num_shared_experts:
+            hs = self.shared_hidden_dim
+            self.shared_w_gate_up = nn.Parameter(torch.empty(2 * hs, dim, **factory))
+            self.shared_w_down = nn.Parameter(torch.empty(dim, hs, **factory))
+        else:
+            self.register_parameter("shared_w_gate_up", None)
+            self.register_parameter("shared_w_down", None)
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal init with std ``fan_in^-0.5``: ``D^-0.5`` for the router and ``w_gate_up``,
-        ``H^-0.5`` for ``w_down`` (unit-variance inputs give unit-variance logits/activations)."""
+        """Normal init with std ``fan_in^-0.5``: ``D^-0.5`` for the router, ``w_gate_up`` and
+        ``shared_w_gate_up``, ``H^-0.5`` for ``w_down`` and ``(S H)^-0.5`` for ``shared_w_down``
+        (unit-variance inputs give unit-variance logits/activations)."""
         with torch.no_grad():
             nn.init.normal_(self.router.weight, std=self.dim**-0.5)
             nn.init.normal_(self.w_gate_up, std=self.dim**-0.5)
             nn.init.normal_(self.w_down, std=self.hidden_dim**-0.5)
+            if self.num_shared_experts:
+                nn.init.normal_(self.shared_w_gate_up, std=self.dim**-0.5)
+                nn.init.normal_(self.shared_w_down, std=self.shared_hidden_dim**-0.5)
 
     def extra_repr(self) -> str:
         s = (
@@ -178,8 +214,12 @@ class MXFP8MoE(nn.Module):
             f"top_k={self.top_k}, precision={self.precision!r}, score_func={self.score_func!r}, "
             f"renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}"
         )
+        if self.num_shared_experts:
+            s += f", num_shared_experts={self.num_shared_experts} (bf16)"
         if self.precision == "mxfp8":
             s += f", backend={self.backend!r}, wgrad={self.wgrad!r}"
+            if self.weight_blocks != "1x32":
+                s += f", weight_blocks={self.weight_blocks!r}"
             if not self.save_colwise:
                 s += ", save_colwise=False"
         return s
@@ -264,8 +304,22 @@ class MXFP8MoE(nn.Module):
         if self.precision == "bf16":
             return torch._grouped_mm(x, w_t, offs=offs)
         return grouped_mm(
-            x, w_t, offs, backend=self.backend, wgrad=self.wgrad, save_colwise=self.save_colwise
+            x,
+            w_t,
+            offs,
+            backend=self.backend,
+            wgrad=self.wgrad,
+            save_colwise=self.save_colwise,
+            weight_blocks=self.weight_blocks,
+            aligned_groups=True,  # forward() pads every expert group to 16 rows
         )
+
+    def _shared_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense SwiGLU of the shared experts in BF16 for both precisions: ``x (T, D)`` bf16 ->
+        ``(T, D)`` bf16 (gate and up as one ``(T, 2 Hs)`` GEMM, then down)."""
+        h = F.linear(x, self.shared_w_gate_up.to(COMPUTE_DTYPE))  # (T, 2 Hs)
+        gate, up = rearrange(h, "t (two h) -> two t h", two=2)
+        return F.linear(F.silu(gate) * up, self.shared_w_down.to(COMPUTE_DTYPE))  # (T, D)
 
     @staticmethod
     def _aligned_rows(counts: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,5 +373,11 @@ class MXFP8MoE(nn.Module):
         # Un-permute: row i of y_sorted belongs to (token, slot) order[i].
         y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
         y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
-        out = einsum(y_pairs, weights.to(COMPUTE_DTYPE), "t k d, t k -> t d")  # fp32 accumulate
+        # Weighted sum over the k copies as multiply + sum (the sum accumulates in fp32). Not
+        # einsum: that lowers to a batched GEMM per token whose backward is slow -- measured at
+        # the dsv3 shape (t=65536, k=2, d=7168, H100, tools/combine_probe.py): einsum 41.4 ms
+        # forward+backward, this 10.2 ms; rel. error vs fp32 2.8e-3 vs 3.4e-3 (bf16 products).
+        out = (y_pairs * rearrange(weights.to(COMPUTE_DTYPE), "t k -> t k 1")).sum(dim=1)
+        if self.num_shared_experts:
+            out = out + self._shared_experts(x_flat.to(COMPUTE_DTYPE))  # (T, D) bf16
         return out.to(x.dtype).reshape(x.shape)

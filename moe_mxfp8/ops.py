@@ -17,6 +17,16 @@ shape, forward+backward): 166.5 vs 166.9 ms -- the same time -- and 17.6 vs 18.7
 saving the FP8 copy is the default (benchmarks/RESULTS.md). ``wgrad="bf16"`` computes the
 weight gradient in BF16 with ``torch._grouped_mm`` instead.
 
+``weight_blocks="32x32"`` quantizes W with one scale per 32x32 tile
+(``quantize_weights(..., block_rows=32)``) for fprop (along K) and dgrad (along N) instead of
+1x32 blocks; on Hopper the GEMM's promotion is then one FFMA per accumulator element per k-step
+instead of FMUL + FFMA. The two orientations are the same tiles with the same amax, so the dgrad
+operand is bit for bit the fprop operand transposed (tests/test_reference_quantize.py checks it).
+It is still quantized twice -- once in forward, once in backward -- because deriving it would
+mean keeping the forward's FP8 copy of W (E*N*K bytes per GEMM) alive until backward, and a
+transposing byte copy plus a scale re-pack moves about as many bytes as the quantizer kernel
+(2 vs 3 bytes per element), which runs at copy bandwidth.
+
 The layer is two ``torch.library`` custom ops in the ``moe_mxfp8`` namespace --
 ``moe_mxfp8::grouped_mm_fwd`` and ``moe_mxfp8::grouped_mm_bwd`` -- with fake (meta)
 implementations and the autograd formula registered on the forward op, so ``torch.compile``
@@ -39,6 +49,8 @@ from .mx_tensor import MXFP8Tensor
 from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
 
 WGRAD_MODES = ("mxfp8", "bf16")
+WEIGHT_BLOCKS = ("1x32", "32x32")  # weight scale blocks: 1x32 (default) or one per 32x32 tile
+WEIGHT_BLOCK_ROWS = {"1x32": 1, "32x32": 32}  # -> quantize_weights(block_rows=...)
 WGRAD_ROW_ALIGN = 16  # token rows: kernels/grouped_gemm_sm90.py reads tokens with TMA (16 B rows)
 COMPUTE_DTYPE = torch.bfloat16  # the dtype of x, w_t, the output and both gradients
 FP8 = torch.float8_e4m3fn
@@ -54,7 +66,17 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_args(x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str) -> None:
+def check_weight_blocks(weight_blocks, who: str = "grouped_mm") -> None:
+    if not isinstance(weight_blocks, str) or weight_blocks not in WEIGHT_BLOCKS:
+        raise ValueError(
+            f"{who}: weight_blocks must be one of {WEIGHT_BLOCKS} (1x32 blocks, or one scale "
+            f"per 32x32 weight tile), got {weight_blocks!r}"
+        )
+
+
+def _check_args(
+    x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str, weight_blocks: str
+) -> None:
     for name, t in (("x", x), ("w_t", w_t), ("offs", offs)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"grouped_mm: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -85,6 +107,7 @@ def _check_args(x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str) 
         C.check_offs(offs, x.shape[0], sync=True)
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"grouped_mm: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
+    check_weight_blocks(weight_blocks)
     if not isinstance(backend, str):
         raise TypeError(f"grouped_mm: backend must be a string, got {type(backend).__name__}")
 
@@ -96,13 +119,21 @@ def _check_args(x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str) 
 
 @torch.library.custom_op("moe_mxfp8::grouped_mm_fwd", mutates_args=())
 def _grouped_mm_fwd(
-    x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str, save_colwise: bool
+    x: Tensor,
+    w_t: Tensor,
+    offs: Tensor,
+    backend: str,
+    wgrad: str,
+    save_colwise: bool,
+    weight_blocks: str,
+    aligned_groups: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """fprop. Returns ``(y (M, N) bf16, xt_data (K, M) uint8, xt_scale uint8)``.
 
     ``xt_*`` is X's columnwise (wgrad) copy when ``save_colwise`` and empty placeholders otherwise;
     its FP8 bytes travel as uint8 so that autograd treats them as non-differentiable.
-    ``wgrad`` is not used here; it rides along so that the autograd formula sees it.
+    ``wgrad`` and ``aligned_groups`` are not used here; they ride along so that the autograd
+    formula sees them.
     """
     x = x.contiguous()
     if save_colwise:
@@ -112,13 +143,19 @@ def _grouped_mm_fwd(
         xq = quantize_rowwise(x, offs=offs, backend=backend)
         xt_data, xt_scale = _empty(x, torch.uint8), _empty(x, torch.uint8)
     # w_t is usually the transposed view of (E, N, K) storage: then this is a free view.
-    wq = quantize_weights(w_t.transpose(-2, -1).contiguous(), axis="K", backend=backend)
+    wq = quantize_weights(
+        w_t.transpose(-2, -1).contiguous(),
+        axis="K",
+        block_rows=WEIGHT_BLOCK_ROWS[weight_blocks],
+        backend=backend,
+    )
     y = grouped_mm_m(xq, wq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)
     return y, xt_data, xt_scale
 
 
 @_grouped_mm_fwd.register_fake
-def _grouped_mm_fwd_fake(x, w_t, offs, backend, wgrad, save_colwise):
+def _grouped_mm_fwd_fake(x, w_t, offs, backend, wgrad, save_colwise, weight_blocks,
+                         aligned_groups):
     m, k = x.shape
     e, _, n = w_t.shape
     y = x.new_empty(m, n, dtype=COMPUTE_DTYPE)
@@ -139,6 +176,8 @@ def _grouped_mm_bwd(
     xt_scale: Tensor | None,
     backend: str,
     wgrad: str,
+    weight_blocks: str,
+    aligned_groups: bool,
     need_dx: bool,
     need_dw: bool,
 ) -> tuple[Tensor, Tensor]:
@@ -168,8 +207,14 @@ def _grouped_mm_bwd(
 
     dx = _empty(dy, COMPUTE_DTYPE)
     if need_dx:
-        # W along N: data (E, K, N), blocks of 32 along N (dgrad reduces over N).
-        wq = quantize_weights(w_t.transpose(-2, -1).contiguous(), axis="N", backend=backend)
+        # W along N: data (E, K, N), blocks of 32 along N (dgrad reduces over N); with 32x32
+        # blocks these are the forward's bytes transposed (re-quantized: see the module doc).
+        wq = quantize_weights(
+            w_t.transpose(-2, -1).contiguous(),
+            axis="N",
+            block_rows=WEIGHT_BLOCK_ROWS[weight_blocks],
+            backend=backend,
+        )
         dx = grouped_mm_m(dyq, wq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)[:m]
 
     dw = _empty(dy, COMPUTE_DTYPE)
@@ -182,13 +227,17 @@ def _grouped_mm_bwd(
                 xtq = MXFP8Tensor(xt_data.view(FP8), xt_scale, "packed", offs, "k")
             else:
                 xtq = quantize_colwise(x.contiguous(), offs=offs, backend=backend)
-            dw = grouped_mm_k(dytq, xtq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)
+            # aligned_groups: every group starts on a multiple of 16 rows (the odd-M padding
+            # above only grows the last group), so the kernels skip their re-layout
+            dw = grouped_mm_k(dytq, xtq, offs, out_dtype=COMPUTE_DTYPE, backend=backend,
+                              groups_aligned=aligned_groups)
     return dx, dw
 
 
 @_grouped_mm_bwd.register_fake
 def _grouped_mm_bwd_fake(
-    grad_out, x, w_t, offs, xt_data, xt_scale, backend, wgrad, need_dx, need_dw
+    grad_out, x, w_t, offs, xt_data, xt_scale, backend, wgrad, weight_blocks, aligned_groups,
+    need_dx, need_dw,
 ):
     m, n = grad_out.shape
     e, k, _ = w_t.shape
@@ -198,10 +247,12 @@ def _grouped_mm_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w_t, offs, backend, wgrad, save_colwise = inputs
+    x, w_t, offs, backend, wgrad, save_colwise, weight_blocks, aligned_groups = inputs
     _, xt_data, xt_scale = output
     ctx.backend = backend
     ctx.wgrad = wgrad
+    ctx.weight_blocks = weight_blocks
+    ctx.aligned_groups = aligned_groups
     ctx.use_saved_colwise = save_colwise and wgrad == "mxfp8"
     # Keep the BF16 x only if backward needs it (wgrad of a w_t that needs grad, no FP8 copy).
     keep_x = w_t.requires_grad and not ctx.use_saved_colwise
@@ -218,13 +269,16 @@ def _backward(ctx, grad_y, _grad_xt_data, _grad_xt_scale):
     x, w_t, offs, xt_data, xt_scale = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_dx or need_dw):
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     dx, dw = torch.ops.moe_mxfp8.grouped_mm_bwd(
-        grad_y, x, w_t, offs, xt_data, xt_scale, ctx.backend, ctx.wgrad, need_dx, need_dw
+        grad_y, x, w_t, offs, xt_data, xt_scale, ctx.backend, ctx.wgrad, ctx.weight_blocks,
+        ctx.aligned_groups, need_dx, need_dw,
     )
     return (
         dx if need_dx else None,
         dw.transpose(-2, -1) if need_dw else None,  # (E, N, K) -> w_t's shape (E, K, N)
+        None,
+        None,
         None,
         None,
         None,
@@ -250,6 +304,8 @@ def grouped_mm(
     backend: str = "auto",
     wgrad: str = "mxfp8",
     save_colwise: bool = True,
+    weight_blocks: str = "1x32",
+    aligned_groups: bool = False,
 ) -> Tensor:
     """MXFP8 grouped GEMM with autograd; the counterpart of ``torch._grouped_mm(x, w_t, offs)``.
 
@@ -264,12 +320,18 @@ def grouped_mm(
         save_colwise: with ``wgrad="mxfp8"``, quantize x's columnwise (wgrad) copy in forward
             together with the rowwise one and save it in FP8 instead of the BF16 ``x`` (default:
             same time, less memory); False re-quantizes x in backward. Same bytes either way.
+        weight_blocks: ``"1x32"`` (default: W's scales per 32 elements along the reduced axis)
+            or ``"32x32"`` (one scale per 32x32 tile of each expert's W, for fprop and dgrad;
+            cheaper promotion on Hopper, a little less accurate). X, dY and wgrad are unchanged.
+        aligned_groups: the caller guarantees that every group starts on a multiple of 16 rows
+            (as `MXFP8MoE`'s padded layout does); the wgrad kernels then skip re-laying the
+            FP8 operands out to such starts (a gather, ~6% of the wgrad GEMM at dsv3).
 
     Returns:
         ``(M, N)`` bfloat16. Its gradients: ``(M, K)`` for x, ``(E, K, N)`` for w_t (a transposed
         view of a contiguous ``(E, N, K)`` tensor, i.e. contiguous for the usual ``w``).
     """
-    _check_args(x, w_t, offs, backend, wgrad)
+    _check_args(x, w_t, offs, backend, wgrad, weight_blocks)
     save = (
         bool(save_colwise)
         and wgrad == "mxfp8"
@@ -277,5 +339,7 @@ def grouped_mm(
         and torch.is_grad_enabled()
         and w_t.requires_grad
     )
-    y, _, _ = torch.ops.moe_mxfp8.grouped_mm_fwd(x, w_t, offs, backend, wgrad, save)
+    y, _, _ = torch.ops.moe_mxfp8.grouped_mm_fwd(
+        x, w_t, offs, backend, wgrad, save, weight_blocks, bool(aligned_groups)
+    )
     return y

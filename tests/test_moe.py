@@ -11,22 +11,34 @@ is the MXFP8 quantization of the expert GEMMs, which a SwiGLU MLP compounds. Mea
 So the input gradient lands where the output does (23.2-23.6 dB on every configuration tried).
 The brief asked for 25 dB there, which no MXFP8 dgrad can reach once the gradient entering it is
 at 25.0 dB; the bound below is 22.5 dB (see the report).
+
+torchao's 25 dB comes from a torchtitan MoE with one shared expert, of which only the routed
+experts ("experts") are converted to MXFP8 (test/prototype/moe_training/test_training.py). The
+shared expert's BF16 output and input gradient are exact, which dilutes the routed experts' error.
+That configuration (``num_shared_experts=1``, the same shapes as `CONFIGS`) is tested against the
+issue's thresholds: out >= 23, input grad >= 25, param grads >= 21 dB. Measured on CPU
+(2026-11-22, seeds 0-3 and 5 fresh runs; min-max over the six `CONFIGS`): out 27.9-30.8 dB, input
+grad 27.2-30.3 dB, routed w_gate_up/w_down grads 23.3-25.3 dB, router 22.6-24.5 dB; the shared
+expert's grads are bit-identical to the twin's (same BF16 ops on the same x and dy).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from moe_mxfp8 import MXFP8MoE
 
 OUT_MIN_DB = 23.0
-INPUT_GRAD_MIN_DB = 22.5
+INPUT_GRAD_MIN_DB = 22.5  # no shared expert: measured 23.2-23.6 dB (see the module docstring)
+SHARED_INPUT_GRAD_MIN_DB = 25.0  # one BF16 shared expert (torchao's setting): measured 27.2-30.3
 PARAM_GRAD_MIN_DB = 21.0
 COMPILE_MIN_DB = 40.0  # inductor (emulating eager's BF16 rounding) vs eager
 BF16 = torch.bfloat16
 PARAM_NAMES = ["router.weight", "w_gate_up", "w_down"]
+SHARED_PARAM_NAMES = ["shared_w_gate_up", "shared_w_down"]
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -44,8 +56,10 @@ def rng(gen):
     return gen
 
 
-def twins(dim, hidden, experts, top_k, device="cpu", **kw):
-    """An MXFP8 module and its BF16 twin holding the same weights."""
+def twins(dim, hidden, experts, top_k, device="cpu", seed=0, **kw):
+    """An MXFP8 module and its BF16 twin holding the same weights (init seeded: the SQNR
+    bounds hold with margin for the seeded weights; unseeded they would depend on test order)."""
+    torch.manual_seed(seed)
     mx = MXFP8MoE(dim, hidden, experts, top_k, backend=kw.pop("backend", "reference"),
                   device=device, **kw)
     bf = MXFP8MoE(dim, hidden, experts, top_k, precision="bf16", device=device, **kw)
@@ -54,30 +68,31 @@ def twins(dim, hidden, experts, top_k, device="cpu", **kw):
 
 
 def fwd_bwd(module, x, dy):
-    """Output, input grad and parameter grads for the loss ``<y, dy> + aux_loss``."""
+    """Output, input grad and every parameter's grad for the loss ``<y, dy> + aux_loss``."""
     module.zero_grad(set_to_none=True)
     xa = x.clone().requires_grad_()
     y = module(xa)
     ((y.float() * dy.float()).sum() + module.aux_loss).backward()
-    grads = dict(getattr(module, "_orig_mod", module).named_parameters())
-    return y, xa.grad, {n: grads[n].grad for n in PARAM_NAMES}
+    params = getattr(module, "_orig_mod", module).named_parameters()
+    return y, xa.grad, {n: p.grad for n, p in params}
 
 
-def compare_twins(mx, bf, x, label, seed):
+def compare_twins(mx, bf, x, label, seed, input_grad_min_db=INPUT_GRAD_MIN_DB):
     dy = torch.randn_like(x)
     y, dx, pg = fwd_bwd(mx, x, dy)
     yr, dxr, pgr = fwd_bwd(bf, x, dy)
     assert torch.equal(mx.tokens_per_expert, bf.tokens_per_expert)  # identical routing
     torch.testing.assert_close(mx.aux_loss, bf.aux_loss, rtol=0, atol=0)
+    assert sorted(pg) == sorted(pgr)
     db = {"out": sqnr_db(yr, y), "dx": sqnr_db(dxr, dx)}
-    db.update({n: sqnr_db(pgr[n], pg[n]) for n in PARAM_NAMES})
+    db.update({n: sqnr_db(pgr[n], pg[n]) for n in pg})
     print(f"MXFP8MoE vs BF16 twin [{label}] SQNR dB:", {k: round(v, 2) for k, v in db.items()})
     assert y.shape == x.shape and y.dtype == x.dtype and dx.shape == x.shape
     assert db["out"] >= OUT_MIN_DB, (db, seed)
-    assert db["dx"] >= INPUT_GRAD_MIN_DB, (db, seed)
-    for n in PARAM_NAMES:
+    assert db["dx"] >= input_grad_min_db, (db, seed)
+    for n in pg:
         assert db[n] >= PARAM_GRAD_MIN_DB, (n, db, seed)
-    return pg
+    return pg, pgr
 
 
 # (dim, hidden, experts, top_k, input shape, options). 1024 tokens: the router gradient's SQNR
@@ -100,6 +115,33 @@ def test_matches_bf16_twin(rng, cfg):
     compare_twins(mx, bf, x, str(cfg), rng.initial_seed())
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"E{c[2]}k{c[3]}-{c[4]}-{c[5]}")
+def test_matches_bf16_twin_with_shared_expert(rng, cfg):
+    """torchao's configuration: one BF16 shared expert beside the MXFP8 routed experts; the
+    issue's thresholds (input grad >= 25 dB). The shared expert's grads are exact."""
+    dim, hidden, e, k, lead, opts = cfg
+    mx, bf = twins(dim, hidden, e, k, num_shared_experts=1, **opts)
+    x = torch.randn(*lead, dim, generator=rng).to(BF16)
+    pg, pgr = compare_twins(mx, bf, x, "shared " + str(cfg), rng.initial_seed(),
+                            input_grad_min_db=SHARED_INPUT_GRAD_MIN_DB)
+    assert sorted(pg) == sorted(PARAM_NAMES + SHARED_PARAM_NAMES)
+    for n in SHARED_PARAM_NAMES:
+        assert torch.equal(pg[n], pgr[n]), n
+
+
+# 32x32 weight tiles: on Gaussian weights the tile's scale is at most ~1 binade coarser than a
+# 1x32 block's, which E4M3's 17 binades absorb (12 of 295k elements differ at 512x256x192), so
+# the module measures as with 1x32 (CPU, seeds 0-2, 2026-11-22): out 23.42-23.65 dB, input grad
+# 23.32-23.48, routed param grads 23.3-25.3, router 22.6-24.5. Same bounds as 1x32.
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2], CONFIGS[4]],
+                         ids=lambda c: f"E{c[2]}k{c[3]}-{c[4]}-{c[5]}")
+def test_weight_blocks_32x32_matches_bf16_twin(rng, cfg):
+    dim, hidden, e, k, lead, opts = cfg
+    mx, bf = twins(dim, hidden, e, k, weight_blocks="32x32", **opts)
+    x = torch.randn(*lead, dim, generator=rng).to(BF16)
+    compare_twins(mx, bf, x, "32x32 " + str(cfg), rng.initial_seed())
+
+
 def test_uneven_routing_and_empty_expert(rng):
     """About 2x the mean load on expert 0, none on expert E-1: zero gradient for the idle one.
 
@@ -113,7 +155,7 @@ def test_uneven_routing_and_empty_expert(rng):
             m.router.weight[e - 1, 0] = -10.0
     x = torch.randn(8, 128, dim, generator=rng)
     x[..., 0] = 2.0
-    pg = compare_twins(mx, bf, x.to(BF16), "uneven", rng.initial_seed())
+    pg, _ = compare_twins(mx, bf, x.to(BF16), "uneven", rng.initial_seed())
     counts = mx.tokens_per_expert
     assert counts[e - 1] == 0 and counts[0] > 1.5 * counts.sum() / e, counts
     assert torch.count_nonzero(pg["w_gate_up"][e - 1]) == 0
@@ -191,25 +233,59 @@ def test_state_dict_and_repr():
         assert all(t.dtype == BF16 for t in sd.values())
     assert "precision='mxfp8'" in repr(mx) and "top_k=2" in repr(mx) and "wgrad=" in repr(mx)
     assert "precision='bf16'" in repr(bf) and "backend" not in repr(bf)
+    assert "shared" not in repr(mx) and "weight_blocks" not in repr(mx)  # defaults stay quiet
+
+
+def test_shared_experts_state_dict_and_repr():
+    s, hidden = 2, 96
+    mx = MXFP8MoE(64, hidden, 4, 2, backend="reference", num_shared_experts=s,
+                  weight_blocks="32x32")
+    bf = MXFP8MoE(64, hidden, 4, 2, precision="bf16", num_shared_experts=s)
+    for m in (mx, bf):
+        sd = m.state_dict()
+        assert sorted(sd) == sorted(PARAM_NAMES + SHARED_PARAM_NAMES)
+        # torchtitan: FeedForward(dim, hidden_dim * num_shared_experts)
+        assert sd["shared_w_gate_up"].shape == (2 * s * hidden, 64)
+        assert sd["shared_w_down"].shape == (64, s * hidden)
+        assert m.shared_hidden_dim == s * hidden
+        assert "num_shared_experts=2 (bf16)" in repr(m)
+    assert "weight_blocks='32x32'" in repr(mx) and "weight_blocks" not in repr(bf)
+
+
+def test_shared_expert_is_a_bf16_swiglu_added_to_the_routed_output(rng):
+    """The module with a shared expert = the same module without it + a BF16 SwiGLU FFN."""
+    dim, hidden = 64, 96
+    mx = MXFP8MoE(dim, hidden, 4, 2, backend="reference", num_shared_experts=1)
+    plain = MXFP8MoE(dim, hidden, 4, 2, backend="reference")
+    plain.load_state_dict({n: t for n, t in mx.state_dict().items() if "shared" not in n})
+    x = torch.randn(3, 40, dim, generator=rng).to(BF16)
+    with torch.no_grad():
+        gate, up = F.linear(x.reshape(120, dim), mx.shared_w_gate_up).chunk(2, dim=-1)
+        shared = F.linear(F.silu(gate) * up, mx.shared_w_down).reshape(x.shape)
+        assert torch.equal(mx(x), plain(x) + shared)
 
 
 def test_init_std():
-    dim, hidden = 256, 512
-    mx = MXFP8MoE(dim, hidden, 8, 2, backend="reference")
+    dim, hidden, s = 256, 512, 2
+    mx = MXFP8MoE(dim, hidden, 8, 2, backend="reference", num_shared_experts=s)
     for p, std in ((mx.router.weight, dim**-0.5), (mx.w_gate_up, dim**-0.5),
-                   (mx.w_down, hidden**-0.5)):
+                   (mx.w_down, hidden**-0.5), (mx.shared_w_gate_up, dim**-0.5),
+                   (mx.shared_w_down, (s * hidden)**-0.5)):
         assert abs(p.float().std().item() / std - 1) < 0.05
         assert abs(p.float().mean().item()) < 5 * std / p.numel() ** 0.5  # 5 sigma
 
 
+@pytest.mark.parametrize("shared", [0, 1])
 @pytest.mark.parametrize("src,dst", [("mxfp8", "mxfp8"), ("mxfp8", "bf16"), ("bf16", "mxfp8")])
-def test_safetensors_roundtrip_and_cross_load(rng, tmp_path, src, dst):
-    kw = {"backend": "reference"}
+def test_safetensors_roundtrip_and_cross_load(rng, tmp_path, src, dst, shared):
+    kw = {"backend": "reference", "num_shared_experts": shared}
+    torch.manual_seed(1)  # the parameters' init (else the SQNR below depends on test order)
     a = MXFP8MoE(128, 64, 4, 2, precision=src, **kw)
     path = tmp_path / "moe.safetensors"
     save_file(a.state_dict(), str(path))
     b = MXFP8MoE(128, 64, 4, 2, precision=dst, **kw)
     b.load_state_dict(load_file(str(path)))
+    assert len(a.state_dict()) == len(PARAM_NAMES) + shared * len(SHARED_PARAM_NAMES)
     for name, t in a.state_dict().items():
         u = b.state_dict()[name]
         assert u.dtype == t.dtype and torch.equal(u.view(torch.int16), t.view(torch.int16))
@@ -225,11 +301,13 @@ def test_fp32_params_and_input(rng):
     """float32 parameters (master weights) and input: BF16 experts, float32 grads and output."""
     mx, bf = twins(128, 128, 4, 2, dtype=torch.float32)
     x = torch.randn(1024, 128, generator=rng)
-    pg = compare_twins(mx, bf, x, "fp32 params", rng.initial_seed())
+    pg, _ = compare_twins(mx, bf, x, "fp32 params", rng.initial_seed())
     assert all(g.dtype == torch.float32 for g in pg.values())
 
 
-def test_compile_matches_eager(rng):
+@pytest.mark.parametrize("opts", [{}, {"num_shared_experts": 1, "weight_blocks": "32x32"}],
+                         ids=["default", "shared-32x32"])
+def test_compile_matches_eager(rng, opts):
     """torch.compile(module, fullgraph=True): no graph break inside the layer, same results.
 
     aot_eager (the traced graph run op by op) is bit-exact. Inductor fuses BF16 pointwise chains
@@ -241,7 +319,7 @@ def test_compile_matches_eager(rng):
     import torch._inductor.config as inductor_config  # imported here: slow, and only needed here
 
     dim = 64
-    mx = MXFP8MoE(dim, 64, 4, 2, backend="reference")
+    mx = MXFP8MoE(dim, 64, 4, 2, backend="reference", **opts)
     x = torch.randn(2, 24, dim, generator=rng).to(BF16)
     dy = torch.randn_like(x)
     y, dx, pg = fwd_bwd(mx, x, dy)
@@ -252,7 +330,8 @@ def test_compile_matches_eager(rng):
             cm = torch.compile(mx, fullgraph=True, backend=backend)
             yc, dxc, pgc = fwd_bwd(cm, x, dy)
         torch.testing.assert_close(mx.aux_loss.detach(), aux, rtol=1e-6, atol=0)
-        pairs = [(y, yc), (dx, dxc)] + [(pg[n], pgc[n]) for n in PARAM_NAMES]
+        assert sorted(pg) == sorted(pgc)
+        pairs = [(y, yc), (dx, dxc)] + [(pg[n], pgc[n]) for n in pg]
         if backend == "aot_eager":
             assert all(torch.equal(a, b) for a, b in pairs)
         else:
@@ -274,6 +353,10 @@ def test_compile_matches_eager(rng):
         ({"wgrad": "fp8"}, ValueError, "wgrad"),
         ({"dtype": torch.float64}, TypeError, "dtype"),
         ({"num_experts": 0}, ValueError, "num_experts"),
+        ({"num_shared_experts": -1}, ValueError, "num_shared_experts"),
+        ({"num_shared_experts": 1.0}, ValueError, "num_shared_experts"),
+        ({"weight_blocks": "16x16"}, ValueError, "weight_blocks"),
+        ({"weight_blocks": 32}, ValueError, "weight_blocks"),
     ],
 )
 def test_bad_constructor_args(kwargs, exc, match):
@@ -320,11 +403,36 @@ def test_gpu_matches_bf16_twin(rng, cfg):
     compare_twins(mx, bf, x, "GPU " + str(cfg), rng.initial_seed())
 
 
+GPU_NEW_OPTIONS = [
+    {"num_shared_experts": 1},
+    {"weight_blocks": "32x32"},
+    {"num_shared_experts": 1, "weight_blocks": "32x32"},
+]
+
+
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("new", GPU_NEW_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[4], (1024, 512, 8, 2, (4, 512), {})],
+                         ids=lambda c: f"E{c[2]}k{c[3]}-{c[4]}-{c[5]}")
+def test_gpu_shared_expert_and_32x32_match_bf16_twin(rng, cfg, new):
+    """Kernel backend ("auto": sm90 on the H100) vs the BF16 twin with a shared expert and/or
+    32x32 weight tiles; the thresholds of the CPU tests."""
+    dim, hidden, e, k, lead, opts = cfg
+    mx, bf = twins(dim, hidden, e, k, device="cuda", backend="auto", **opts, **new)
+    x = torch.randn(*lead, dim, generator=rng).to("cuda", BF16)
+    shared = new.get("num_shared_experts", 0) > 0
+    compare_twins(mx, bf, x, f"GPU {new} {cfg}", rng.initial_seed(),
+                  input_grad_min_db=SHARED_INPUT_GRAD_MIN_DB if shared else INPUT_GRAD_MIN_DB)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("new", [{}] + GPU_NEW_OPTIONS[2:],
+                         ids=lambda o: "-".join(map(str, o.values())) or "default")
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
-def test_gpu_no_host_sync(rng, precision):
-    mx = MXFP8MoE(1024, 512, 8, 2, precision=precision, device="cuda")
+def test_gpu_no_host_sync(rng, precision, new):
+    mx = MXFP8MoE(1024, 512, 8, 2, precision=precision, device="cuda", **new)
     x = torch.randn(4, 512, 1024, generator=rng).to("cuda", BF16).requires_grad_()
     dy = torch.randn_like(x)
     for sync_mode in ("default", "error"):  # warm-up (kernel compilation), then checked
@@ -368,7 +476,7 @@ def test_group_alignment_padding_changes_no_result(rng):
     ys = grouped_mm(torch.nn.functional.silu(gate) * up, w_dn.transpose(-2, -1), offs_u,
                     backend="reference")
     pairs = torch.empty_like(ys).index_copy_(0, order, ys).reshape(37, 2, 64)
-    y_ref = torch.einsum("tkd,tk->td", pairs.float(), weights.to(BF16).float()).to(BF16)
+    y_ref = (pairs * weights.to(BF16).unsqueeze(-1)).sum(dim=1)  # the module's combine
     ((y_ref.float() * dy.float()).sum() + aux).backward()
     assert torch.equal(y, y_ref)
     assert torch.equal(dx, xa.grad)

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default=None,
                    help="MXFP8 run's weight-gradient GEMMs (default mxfp8)")
+    p.add_argument("--weight-blocks", choices=("1x32", "32x32"), default=None,
+                   help="MXFP8 run's expert weight scale blocks (default 1x32)")
     p.add_argument("--backend", default=None,
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
     p.add_argument("--eval-every", type=int, default=None)
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--preset", args.preset, "--device", args.device, "--seed", str(args.seed),
               "--log-every", str(args.log_every)]
     for opt, val in (("--steps", args.steps), ("--backend", args.backend),
-                     ("--eval-every", args.eval_every), ("--wgrad", args.wgrad)):
+                     ("--eval-every", args.eval_every), ("--wgrad", args.wgrad),
+                     ("--weight-blocks", args.weight_blocks)):
         if val is not None:
             common += [opt, str(val)]
     if args.quiet:
@@ -228,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset, "steps": tc.steps, "warmup_steps": tc.warmup_steps,
         "seed": args.seed, "device": str(dev), "device_name": device_name,
         "backend": run_info["backend"], "wgrad": args.wgrad or "mxfp8",
+        "weight_blocks": args.weight_blocks or "1x32",
         "parameters": run_info["parameters"],
         "active_parameters": run_info["active_parameters"],
         "final_train_loss": {p: logs[p][-1]["train_loss"] for p in PRECISIONS},

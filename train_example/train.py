@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
     p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default="mxfp8",
                    help="expert weight-gradient GEMMs in MXFP8 (default) or BF16 (mxfp8 only)")
+    p.add_argument("--weight-blocks", choices=("1x32", "32x32"), default="1x32",
+                   help="expert weight scale blocks of the MXFP8 GEMMs (mxfp8 only)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
@@ -280,7 +282,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     mc = model_config(args.preset, max_seq_len=max(tc.seq_len,
                                                    model_config(args.preset).max_seq_len))
     settings = {"precision": args.precision, "preset": args.preset, "seed": args.seed,
-                "backend": backend, "wgrad": args.wgrad, "train": asdict(tc),
+                "backend": backend, "wgrad": args.wgrad, "weight_blocks": args.weight_blocks,
+                "train": asdict(tc),
                 "model": mc.to_dict()}
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
 
@@ -291,7 +294,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
     torch.manual_seed(args.seed)  # same initial weights for both precisions
     model = MoETransformer(mc, precision=args.precision, backend=backend,
-                           wgrad=args.wgrad).to(device)
+                           wgrad=args.wgrad, weight_blocks=args.weight_blocks).to(device)
     total, active = model.num_parameters()
     log(f"model: preset {args.preset}, {total:,} parameters ({active:,} active per token), "
         f"{mc.n_layers} layers, dim {mc.dim}, {mc.num_experts} experts top-{mc.top_k}, "
