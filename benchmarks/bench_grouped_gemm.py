@@ -2,6 +2,8 @@
 torch._scaled_grouped_mm fp8 rowwise, for the MoE gate+up GEMM (N = 2f) of three models.
 
     python -m benchmarks.bench_grouped_gemm [--json out.json] [--shapes dsv3,qwen3,mixtral]
+    python -m benchmarks.bench_grouped_gemm --check-baselines   # seconds: every baseline call
+                                                                 # at E=4, 256 rows/group, vs fp32
 
 GEMMs per shape (E experts, T routed rows, hidden d, expert width f):
   fprop  Y  (T, 2f) = X (T, d) . W_g^T,  W (E, 2f, d)
@@ -9,11 +11,14 @@ GEMMs per shape (E experts, T routed rows, hidden d, expert width f):
   wgrad  dW (E, 2f, d) = dY_g^T . X_g
 FLOPs = 2 * T * 2f * d each. Times: CUDA-graph replays (benchmarks.timing.bench_us), two
 rotating input sets. Inputs are random; group sizes are random around T/E (+-25%).
+fp8row: rowwise e4m3 with fp32 scales (amax / 448, prepared outside the timed region); for wgrad
+one scale per row per token group. Its rel. error vs the bf16 grouped GEMM is printed too.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -47,11 +52,37 @@ def _rel(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# torch._scaled_grouped_mm 2D x 2D (K-grouped) asserts *on the device* that every group but the
+# last spans a multiple of 16 bytes = 16 fp8 elements along the token dim (TMA alignment;
+# prepare_grouped_gemm_data in aten/src/ATen/native/cuda/GroupMMCommon.cuh). A device assert
+# poisons the CUDA context for the rest of the run, so such calls are refused on the host.
+FP8_GROUP_ALIGN = 16
+
+
 def _fp8_rowwise(x: torch.Tensor):
-    """Per-row fp32 scale + e4m3 (baseline inputs only)."""
+    """Per-row fp32 scale + e4m3 (baseline inputs only). The scale is the dequantization
+    multiplier (x ~= q * s), which is what torch._scaled_grouped_mm takes."""
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
-    s = amax / 448.0
+    s = amax / E4M3_MAX
     return (x.float() / s).to(torch.float8_e4m3fn), s.squeeze(-1)
+
+
+def _fp8_rowwise_grouped(x: torch.Tensor, sizes: list[int]):
+    """Rowwise e4m3 of x (rows, T) with one scale per row *per token group* (amax over that
+    group's tokens), as a real rowwise fp8 wgrad quantizes. Returns q (rows, T) row-major and the
+    scales flattened group-major, (E * rows,): group g's scales are s[g * rows:(g + 1) * rows]."""
+    rows, t = x.shape
+    q = torch.empty(rows, t, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.ones(len(sizes), rows, device=x.device, dtype=torch.float32)
+    start = 0
+    for g, n in enumerate(sizes):
+        if n:  # an empty group keeps scale 1 (it multiplies nothing)
+            qg, sg = _fp8_rowwise(x[:, start:start + n])
+            q[:, start:start + n] = qg
+            s[g] = sg
+        start += n
+    return q, s.reshape(-1)
 
 
 def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda") -> dict:
@@ -96,7 +127,9 @@ def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda") -> dict:
         x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
         a = R.quantize_colwise_ref(dy, offs=offs)
         bs = {1: R.quantize_colwise_ref(x, offs=offs)}
-        fn = K.grouped_mm_k
+        # 16-aligned groups, as MXFP8MoE gives them: the kernel skips the re-layout gather
+        # (the "wgrad" row, with unaligned groups, includes it)
+        fn = functools.partial(K.grouped_mm_k, groups_aligned=True)
         bf16 = (dy.t(), x)
         ref_pair = (a.dequantize(torch.bfloat16), bs[1].dequantize(torch.bfloat16).t())
     del w
@@ -131,11 +164,13 @@ def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda") -> dict:
     del rot
 
     try:
-        fp8 = _scaled_args(op, bf16)
-        rot = Rotating([fp8])
-        torch._scaled_grouped_mm(*fp8, offs=offs, out_dtype=torch.bfloat16)
-        res["fp8_rowwise_us"] = bench_us(
-            lambda: torch._scaled_grouped_mm(*rot.next(), offs=offs, out_dtype=torch.bfloat16))
+        fp8 = _scaled_args(op, bf16, sizes)  # quantization: outside the timed region
+        out = _fp8_mm(fp8, offs)
+        ref = torch._grouped_mm(*bf16, offs=offs)
+        res["fp8_rel_err_vs_bf16"] = _rel(out, ref)
+        del out, ref
+        rot = Rotating([fp8, _clone_fp8(fp8)])
+        res["fp8_rowwise_us"] = bench_us(lambda: _fp8_mm(rot.next(), offs))
     except Exception as err:  # noqa: BLE001
         res["fp8_err"] = repr(err)[:200]
     torch.cuda.empty_cache()
@@ -155,8 +190,24 @@ def _synthetic_k(xt: torch.Tensor, offs: torch.Tensor):
     return MXFP8Tensor(xt.to(torch.float8_e4m3fn), scale, "packed", offs, "k")
 
 
-def _scaled_args(op, bf16):
-    """(mat_a, mat_b, scale_a, scale_b) for torch._scaled_grouped_mm, rowwise fp8."""
+def _scaled_args(op, bf16, sizes: list[int]):
+    """(mat_a, mat_b, scale_a, scale_b) for torch._scaled_grouped_mm, rowwise fp8.
+
+    API facts (torch 2.11 / main; fp32 scales are dequantization multipliers, out[i, j] =
+    acc[i, j] * scale_a[i] * scale_b[j]):
+    - mat_a row-major, mat_b column-major in the last two dims, both e4m3, 16-byte aligned
+      strides; mat_a.size(-1) and mat_b.size(-2), mat_b.size(-1) multiples of 16; offs int32
+      cumulative ends (aten/src/ATen/native/cuda/GroupedBlas.cpp `_scaled_grouped_mm_cuda`,
+      meta twin `_meta_grouped_mm_common` in torch/_meta_registrations.py).
+    - 2D x 3D: scale_a (T,) per token row, scale_b (E, N) (`_check_scales_fp8_rowwise`).
+    - 2D x 2D (K grouped): mat_a (M, T), mat_b (T, N), out (E, M, N); scale_a (E * M,), scale_b
+      (E * N,), group-major: group g reads scale_a[g * M:(g + 1) * M] and scale_b[g * N:...]
+      (GroupMMCommon.cuh `prepare_grouped_gemm_data`, K < 0 branch; test/test_scaled_matmul_cuda.py
+      `test_scaled_grouped_gemm_2d_2d` slices the scales the same way). Every group but the last
+      must be a multiple of 16 tokens (device assert, same file).
+    torchao's fp8 rowwise MoE wgrad (torchao/prototype/moe_training/scaled_grouped_mm.py) calls
+    it the same way: grad_output^T row-major + input column-major, per-group rowwise scales.
+    """
     a, b = bf16
     if op in ("fprop", "dgrad"):
         # a (T, K) row-major; b (E, K, N) must be column-major (i.e. (E, N, K) contiguous)
@@ -164,12 +215,114 @@ def _scaled_args(op, bf16):
         bt = b.transpose(-2, -1).contiguous()  # (E, N, K)
         qb, sb = _fp8_rowwise(bt)
         return qa, qb.transpose(-2, -1), sa, sb
-    # wgrad: a = dY^T (N, T) row-major, b = X (T, K) column-major
-    qa, sa = _fp8_rowwise(a.contiguous())
-    qbt, sb = _fp8_rowwise(b.t().contiguous())  # (K, T)
-    e = None  # scales per group for 2d-2d: (E * N,), (E * K,) -- rowwise over each group
-    del e
+    bad = [n for n in sizes[:-1] if n % FP8_GROUP_ALIGN]
+    if bad:
+        raise ValueError(f"fp8 2D x 2D needs groups that are multiples of {FP8_GROUP_ALIGN} "
+                         f"tokens (torch device-asserts otherwise); got {bad[:4]}...")
+    # wgrad: a = dY^T (N, T) -> row-major; b = X (T, K) -> column-major, i.e. X^T (K, T)
+    # contiguous. Both are quantized along T with one scale per row per group.
+    qa, sa = _fp8_rowwise_grouped(a.contiguous(), sizes)
+    qbt, sb = _fp8_rowwise_grouped(b.t().contiguous(), sizes)  # (K, T)
     return qa, qbt.t(), sa, sb
+
+
+def _fp8_mm(fp8, offs):
+    return torch._scaled_grouped_mm(*fp8, offs=offs, out_dtype=torch.bfloat16)
+
+
+def _clone_fp8(fp8):
+    """Second input set for the rotation: copies of the operands (clone keeps the column-major
+    strides of mat_b), shared scales."""
+    qa, qb, sa, sb = fp8
+    return qa.clone(), qb.clone(), sa, sb
+
+
+def _grouped_ref(a: torch.Tensor, b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """fp32 grouped GEMM by loops: 2D x 3D (rows of a grouped) or 2D x 2D (a's columns and b's
+    rows grouped, output (E, M, N))."""
+    outs, start = [], 0
+    for g, n in enumerate(sizes):
+        if b.dim() == 3:
+            outs.append(a[start:start + n].float() @ b[g].float())
+        else:
+            outs.append(a[:, start:start + n].float() @ b[start:start + n].float())
+        start += n
+    return torch.cat(outs) if b.dim() == 3 else torch.stack(outs)
+
+
+def _fp8_dequant_ref(fp8, sizes: list[int]) -> torch.Tensor:
+    """fp32 reference of what torch._scaled_grouped_mm should return for these operands, from
+    the documented scale semantics (independent of the kernel)."""
+    qa, qb, sa, sb = fp8
+    if qb.dim() == 3:
+        return _grouped_ref(qa.float() * sa[:, None], qb.float() * sb[:, None, :], sizes)
+    e = len(sizes)
+    sa, sb = sa.view(e, -1), sb.view(e, -1)
+    outs, start = [], 0
+    for g, n in enumerate(sizes):
+        a_g = qa[:, start:start + n].float() * sa[g][:, None]
+        b_g = qb[start:start + n].float() * sb[g][None, :]
+        outs.append(a_g @ b_g)
+        start += n
+    return torch.stack(outs)
+
+
+# --check-baselines tolerances: bf16 output rounding is ~2e-3 relative; fp8 e4m3 input rounding
+# (3 mantissa bits) gives ~3-5e-2 vs the unquantized inputs. A wrong layout or a scale applied to
+# the wrong row/group gives O(1).
+CHECK_TOL_EXACT = 1e-2
+CHECK_TOL_FP8_VS_INPUTS = 0.1
+
+
+def check_baselines(e: int = 4, rows: int = 256, n: int = 256, k: int = 256,
+                    dev: str = "cuda") -> bool:
+    """Every baseline call of the benchmark at a small shape vs fp32 loop references. Inputs
+    have per-group and per-row/column magnitudes spread over ~2**6 so misplaced scales show."""
+    sizes = [rows] * e
+    t = e * rows
+    offs = _offs(sizes, dev)
+    torch.manual_seed(0)
+    grp = torch.repeat_interleave(2.0 ** torch.arange(e), torch.tensor(sizes)).to(dev)[:, None]
+
+    def spread(m):
+        return torch.exp2(torch.randint(-3, 4, (m,), device=dev).float())
+
+    x = (torch.randn(t, k, device=dev) * grp * spread(k)).to(torch.bfloat16)
+    dy = (torch.randn(t, n, device=dev) / grp * spread(n)).to(torch.bfloat16)
+    w = (torch.randn(e, n, k, device=dev) * spread(e)[:, None, None] * 0.05).to(torch.bfloat16)
+    cases = {"fprop": (x, w.transpose(-2, -1)), "dgrad": (dy, w), "wgrad": (dy.t(), x)}
+    ok = True
+    for op, bf16 in cases.items():
+        ref = _grouped_ref(bf16[0], bf16[1], sizes)
+        checks = []
+        try:
+            out = torch._grouped_mm(*bf16, offs=offs)
+            checks.append(("bf16 _grouped_mm vs fp32", _rel(out, ref), CHECK_TOL_EXACT))
+        except Exception as err:  # noqa: BLE001
+            checks.append((f"bf16 _grouped_mm raised {err!r}"[:200], float("nan"), 0.0))
+        try:
+            fp8 = _scaled_args(op, bf16, sizes)
+            out = _fp8_mm(fp8, offs)
+            checks.append(("fp8 _scaled_grouped_mm vs fp32 of its fp8 operands",
+                           _rel(out, _fp8_dequant_ref(fp8, sizes)), CHECK_TOL_EXACT))
+            checks.append(("fp8 _scaled_grouped_mm vs fp32 of the bf16 inputs", _rel(out, ref),
+                           CHECK_TOL_FP8_VS_INPUTS))
+        except Exception as err:  # noqa: BLE001
+            checks.append((f"fp8 _scaled_grouped_mm raised {err!r}"[:200], float("nan"), 0.0))
+        for what, rel, tol in checks:
+            good = rel <= tol  # False for nan
+            ok &= good
+            print(f"check {op:5s} {what}: rel {rel:.2e} (tol {tol:.0e}) "
+                  f"{'OK' if good else 'FAIL'}", flush=True)
+    # the host-side guard: an unaligned 2D x 2D fp8 call must be refused before the device
+    try:
+        _scaled_args("wgrad", cases["wgrad"], [rows + 8] + [rows] * (e - 2) + [rows - 8])
+        print("check wgrad unaligned groups refused on the host: FAIL", flush=True)
+        ok = False
+    except ValueError:
+        print("check wgrad unaligned groups refused on the host: OK", flush=True)
+    print("check-baselines:", "PASS" if ok else "FAIL", flush=True)
+    return ok
 
 
 def debug_k(sizes: list[int], n=256, k=256):
@@ -222,6 +375,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--synthetic-k", action="store_true",
                     help="wgrad operands from random bytes (no reference quantizer)")
+    ap.add_argument("--check-baselines", action="store_true",
+                    help="run every baseline call at a small shape vs fp32 (seconds), then exit")
     ap.add_argument("--debug-k", default=None, help="comma-separated group sizes")
     ap.add_argument("--profile", default=None, help="op:shape:block_rows:rows")
     ap.add_argument("--json", default=None)
@@ -230,6 +385,8 @@ def main():
     args = ap.parse_args()
     global SYNTHETIC_K
     SYNTHETIC_K = args.synthetic_k
+    if args.check_baselines:
+        raise SystemExit(0 if check_baselines() else 1)
     if args.debug_k:
         debug_k([int(v) for v in args.debug_k.split(",")])
         return
@@ -252,7 +409,7 @@ def main():
             print(json.dumps(r), flush=True)
     print(f"\n{info['gpu']} {info['date']} torch {info['torch']}")
     hdr = ("shape", "op", "mx1x32 us", "TF/s", "mx32x32 us", "TF/s", "bf16 us", "TF/s",
-           "fp8row us", "TF/s", "x bf16 (1x32)", "x bf16 (32x32)", "relerr")
+           "fp8row us", "TF/s", "x bf16 (1x32)", "x bf16 (32x32)", "relerr", "fp8row relerr")
     print(" | ".join(hdr))
     for r in rows:
         def tf(key, r=r):
@@ -267,7 +424,8 @@ def main():
         print(" | ".join([r["shape"], r["op"], us("mx_1x32_us"), tf("mx_1x32_us"),
                           us("mx_32x32_us"), tf("mx_32x32_us"), us("bf16_us"), tf("bf16_us"),
                           us("fp8_rowwise_us"), tf("fp8_rowwise_us"), sp1, sp32,
-                          f"{r.get('rel_err_vs_dequant_bf16', float('nan')):.1e}"]))
+                          f"{r.get('rel_err_vs_dequant_bf16', float('nan')):.1e}",
+                          f"{r.get('fp8_rel_err_vs_bf16', float('nan')):.1e}"]))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": info, "rows": rows}, fh, indent=1)
