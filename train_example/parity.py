@@ -18,6 +18,14 @@ Criteria (relative difference ``r = (mxfp8 - bf16) / bf16``):
    ``b = --ema-beta`` (0.9: about a 10-step window), per precision, before ``r`` is taken.
    Both precisions see identical batches, so batch-to-batch noise is common to the two curves;
    the EMA removes the remaining step-level jitter.
+
+``--bf16-repeat N`` also trains BF16 N more times with the same seed and batches and measures
+how far BF16 lands from itself (GPU kernels with atomics -- index_put/index_add in the MoE's
+permutation backward, cuBLAS -- are not bit-reproducible, and the difference grows over a
+run). Measured on an H100 at the ``gpu`` preset (2026-11-22): two BF16 runs 5.9% apart in
+final validation loss (0.8016 vs 0.8491), separating after step ~550 -- more than the 1%
+criterion. The summary's ``within_bf16_noise`` verdict then widens both tolerances to the
+measured BF16-vs-BF16 differences, and the exit code follows it.
 """
 
 from __future__ import annotations
@@ -66,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ema-beta", type=float, default=0.9)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--bf16-repeat", type=int, default=0,
+                   help="train BF16 this many more times (same seed) to measure its run-to-run "
+                        "noise; the verdict then allows that much difference")
     return p
 
 
@@ -220,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         wall[p] = time.perf_counter() - t
         logs[p] = T.read_log(run_dir / "log.csv")
     rows, verdict = compare(logs, tc.steps, tc.warmup_steps, args)
+    if args.bf16_repeat > 0:
+        verdict.update(bf16_noise(common, out, logs["bf16"], tc, args, verdict))
 
     dev = torch.device(args.device)
     device_name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
@@ -243,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     line = verdict_line(verdict)
     print(line, flush=True)
+    if "bf16_noise" in verdict:
+        print(noise_line(verdict), flush=True)
     title = (f"MXFP8 vs BF16 MoE LM, preset {args.preset}, {tc.steps} steps, {device_name}\n"
              f"{'PASS' if verdict['pass'] else 'FAIL'}")
     try:
@@ -252,7 +267,49 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {out / 'loss.csv'}, {out / 'loss.png'}, {out / 'summary.json'} "
           f"({summary['wall_time_s']['total']:.0f} s)", flush=True)
-    return 0 if verdict["pass"] else 1
+    ok = verdict["within_bf16_noise"]["pass"] if "bf16_noise" in verdict else verdict["pass"]
+    return 0 if ok else 1
+
+
+def bf16_noise(common: list[str], out: Path, bf16_log: list[dict], tc, args,
+               verdict: dict) -> dict:
+    """Train BF16 ``args.bf16_repeat`` more times; the same criteria of each repeat against the
+    first BF16 run are the noise floor. Returns ``bf16_noise`` and ``within_bf16_noise``."""
+    finals, curves = [], []
+    for i in range(1, args.bf16_repeat + 1):
+        run_dir = out / f"bf16_repeat{i}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if not args.quiet:
+            print(f"=== bf16 repeat {i} ===", flush=True)
+        T.run(common + ["--precision", "bf16", "--out", str(run_dir)])
+        _, v = compare({"bf16": bf16_log, "mxfp8": T.read_log(run_dir / "log.csv")},
+                       tc.steps, tc.warmup_steps, args)
+        finals.append(v["final"]["rel_diff"])
+        curves.append(max(v["curve"]["max_abs_rel_diff_train_ema"],
+                          v["curve"]["max_abs_rel_diff_val"]))
+    final_tol = max(args.final_tol, max(abs(f) for f in finals))
+    curve_tol = max(args.curve_tol, max(curves))
+    mx_curve = max(verdict["curve"]["max_abs_rel_diff_train_ema"],
+                   verdict["curve"]["max_abs_rel_diff_val"])
+    final_ok = abs(verdict["final"]["rel_diff"]) <= final_tol
+    curve_ok = mx_curve <= curve_tol
+    return {
+        "bf16_noise": {"repeats": args.bf16_repeat, "final_rel_diff": finals,
+                       "max_abs_rel_diff_curve": curves},
+        "within_bf16_noise": {"pass": final_ok and curve_ok, "final_tolerance": final_tol,
+                              "curve_tolerance": curve_tol, "final_pass": final_ok,
+                              "curve_pass": curve_ok},
+    }
+
+
+def noise_line(v: dict) -> str:
+    n, w = v["bf16_noise"], v["within_bf16_noise"]
+    finals = ", ".join(f"{100 * f:+.2f}%" for f in n["final_rel_diff"])
+    curves = ", ".join(f"{100 * c:.2f}%" for c in n["max_abs_rel_diff_curve"])
+    return (f"BF16 vs BF16 (same seed, {n['repeats']} repeat(s)): final {finals}, max curve "
+            f"{curves} -> MXFP8 within BF16 run-to-run noise (tolerances "
+            f"{100 * w['final_tolerance']:.2f}% / {100 * w['curve_tolerance']:.2f}%): "
+            f"{'PASS' if w['pass'] else 'FAIL'}")
 
 
 if __name__ == "__main__":

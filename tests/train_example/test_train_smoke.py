@@ -106,3 +106,23 @@ def test_wgrad_option_reaches_every_moe_layer():
     assert [b.moe.wgrad for b in m.blocks] == ["bf16"] * cfg.n_layers
     twin = MoETransformer(cfg, precision="bf16", backend="reference", wgrad="bf16")
     assert set(twin.state_dict()) == set(m.state_dict())
+
+
+def test_parity_bf16_repeat_measures_run_to_run_noise(tmp_path):
+    """--bf16-repeat trains BF16 again with the same seed; on the CPU that is bit-reproducible,
+    so the measured noise is exactly 0 and the widened tolerances equal the given ones."""
+    out = tmp_path / "p"
+    rc = parity.main(["--preset", "micro", "--steps", str(STEPS), "--device", "cpu",
+                      "--out", str(out), "--quiet", "--bf16-repeat", "1"])
+    summary = json.loads((out / "summary.json").read_text())
+    noise = summary["bf16_noise"]
+    assert noise["repeats"] == 1 and noise["final_rel_diff"] == [0.0]
+    assert noise["max_abs_rel_diff_curve"] == [0.0]
+    w = summary["within_bf16_noise"]
+    assert w["final_tolerance"] == 0.01 and w["curve_tolerance"] == 0.03
+    assert w["pass"] == summary["pass"] and rc == (0 if w["pass"] else 1)
+    def losses(d):  # (tokens_per_s is wall-clock and differs)
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"}
+                for r in T.read_log(out / d / "log.csv")]
+
+    assert losses("bf16_repeat1") == losses("bf16")
