@@ -275,27 +275,25 @@ class Sm90GroupedGemm:
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                     self.stages)
                 for t in range(bidx, num_tiles, n_ctas):
-                    tx, ty, tz = t % tiles_x, (t % tiles_xy) // tiles_x, t // tiles_xy
-                    _, row0, row_end, _, _, k_tiles, _, grp = \
-                        self.decode_tile(tA, tB, offs, tx, ty, tz)
+                    tx, ty, row0, row_end, _, _, k_tiles, _, grp = \
+                        self.decode_tile(tA, tB, offs, t, tiles_x, tiles_xy)
                     tma_ok = True
                     if cutlass.const_expr(not self.is_m):
                         # TMA needs a 16-byte aligned innermost (token) coordinate: groups that
                         # start elsewhere are copied by this warp (slow path, see copy_window)
                         tma_ok = row0 % TMA_INNER_ALIGN == 0
                     if tma_ok:
-                        prod = self.tma_producer(pipe, prod, tma_a, tA, tma_b, tB, sA, sB, row0, tx,
-                                          ty, grp, k_tiles)
+                        prod = self.tma_producer(pipe, prod, tma_a, tA, tma_b, tB, sA, sB,
+                                                 row0, tx, ty, grp, k_tiles)
                     else:
                         prod = self.copy_producer(pipe, prod, mA, mB, storage.sA.data_ptr(),
-                                           storage.sB.data_ptr(), row0, row_end, tx, ty,
-                                           k_tiles)
+                                                  storage.sB.data_ptr(), row0, row_end, tx, ty,
+                                                  k_tiles)
             if warp_idx > 0 and cutlass.const_expr(self.cfg.diag != "no_scale_wait"):
                 kbase = Int32(0)  # k-tiles of this CTA's earlier tiles (pipeline position)
                 for t in range(bidx, num_tiles, n_ctas):
-                    tx, ty, tz = t % tiles_x, (t % tiles_xy) // tiles_x, t // tiles_xy
-                    _, _, _, a_tile0, b_tile0, k_tiles, _, _ = \
-                        self.decode_tile(tA, tB, offs, tx, ty, tz)
+                    _, _, _, _, a_tile0, b_tile0, k_tiles, _, _ = \
+                        self.decode_tile(tA, tB, offs, t, tiles_x, tiles_xy)
                     self.scale_producer(pipe, sfA, sfB, sSFA, sSFB, a_tile0, b_tile0, kbase,
                                         k_tiles, warp_idx - 1)
                     kbase = kbase + k_tiles
@@ -303,11 +301,11 @@ class Sm90GroupedGemm:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             for t in range(bidx, num_tiles, n_ctas):
-                tx, ty, tz = t % tiles_x, (t % tiles_xy) // tiles_x, t // tiles_xy
-                _, row0, row_end, _, _, k_tiles, tok_valid_last, grp = \
-                    self.decode_tile(tA, tB, offs, tx, ty, tz)
-                cons = self.consumer(pipe, cons, tiled_mma, sA, sB, sSFA, sSFB, mOut, tidx, wg_idx,
-                              row0, row_end, tx, ty, grp, k_tiles, tok_valid_last)
+                tx, ty, row0, row_end, _, _, k_tiles, tok_valid_last, grp = \
+                    self.decode_tile(tA, tB, offs, t, tiles_x, tiles_xy)
+                cons = self.consumer(pipe, cons, tiled_mma, sA, sB, sSFA, sSFB, mOut, tidx,
+                                     wg_idx, row0, row_end, tx, ty, grp, k_tiles,
+                                     tok_valid_last)
 
     @cute.jit
     def tile_counts(self, tA: cute.Tensor, tB: cute.Tensor, offs: cute.Tensor):
@@ -327,11 +325,15 @@ class Sm90GroupedGemm:
         return num_tiles, tiles_x, tiles_xy
 
     @cute.jit
-    def decode_tile(self, tA: cute.Tensor, tB: cute.Tensor, offs: cute.Tensor, bidx: Int32,
-                    bidy: Int32, bidz: Int32):
-        """(valid, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, group)."""
+    def decode_tile(self, tA: cute.Tensor, tB: cute.Tensor, offs: cute.Tensor, t: Int32,
+                    tiles_x: Int32, tiles_xy: Int32):
+        """Output tile ``t`` (< `tile_counts`' count, so it is a real tile) ->
+        (bidx, bidy, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, group), with
+        ``(bidx, bidy, bidz)`` its coordinates along x (fastest), y and z (K-grouped: group)."""
+        bidx = t % tiles_x
+        bidy = (t % tiles_xy) // tiles_x
+        bidz = t // tiles_xy
         num_groups = cute.size(offs, mode=[0])
-        valid = cutlass.Boolean(True)
         row0 = Int32(0)
         row_end = Int32(0)
         a_tile0 = Int32(0)
@@ -344,7 +346,6 @@ class Sm90GroupedGemm:
             k_len = cute.size(tA, mode=[1])
             n_len = cute.size(tB, mode=[0])
             g, start, end, tiles_before = GC.find_m_tile_group(offs, num_groups, bidy, TILE_M)
-            valid = g >= 0
             grp = g
             row0 = start + (bidy - tiles_before) * TILE_M
             row_end = cutlass.min(end, m_rows)
@@ -371,7 +372,7 @@ class Sm90GroupedGemm:
             # group g's packed matrix starts at tile (Rp/128) * sum_{h<g} ceil(m_h/128)
             a_tile0 = ((n_len + 127) // 128) * before + bidy * k_tiles
             b_tile0 = ((k_len + 127) // 128) * before + bidx * k_tiles
-        return valid, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, grp
+        return bidx, bidy, row0, row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, grp
 
     @cute.jit
     def tma_producer(self, pipe, state, tma_a, tA: cute.Tensor, tma_b, tB: cute.Tensor,
