@@ -295,9 +295,9 @@ def align_k_groups(a_data: torch.Tensor, b_data: torch.Tensor, offs: torch.Tenso
 
     Cost at the dsv3 wgrad shape (N=4096, K=7168, M=131072, E=8, align 16): Mp = 131200;
     read 11264 x 131072 = 1.476 GB, write 11264 x 131200 = 1.478 GB (+ ~1 MB index, 1.4 MB
-    gap fill) = 2.95 GB -> 1.21 ms at the measured 2.44 TB/s copy rate (model; not yet timed on
-    the H100). The GEMM it unlocks: 7.70 TFLOP at 394 TF/s = 19.5 ms aligned, vs 447 ms on the
-    unaligned slow path.
+    gap fill) = 2.95 GB -> 1.21 ms at the measured 2.44 TB/s copy rate. Measured on the H100
+    (2026-11-22, docs/NOTES.md): ~2.5 ms (byte-wise ``index_select`` is instruction-bound);
+    dsv3 wgrad 23.8 ms with it vs 447 ms on the kernel's unaligned slow path.
     """
     if a_data.dim() != 2 or b_data.dim() != 2 or a_data.shape[1] != b_data.shape[1]:
         raise ValueError(f"align_k_groups needs (N, M) and (K, M) data, got "

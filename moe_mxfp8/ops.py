@@ -189,10 +189,11 @@ def _grouped_mm_bwd(
     dy = grad_out.contiguous()
     mx_wgrad = need_dw and wgrad == "mxfp8"
     m = dy.shape[0]
-    if mx_wgrad and m % WGRAD_ROW_ALIGN:
-        # The Hopper wgrad kernel TMA-loads tokens along rows: it needs M % 16 == 0. Zero rows
-        # appended to the last group change no result (its last 32-block is zero-padded anyway;
-        # a block that becomes all-zero adds exact zeros) -- dx is sliced back to M rows.
+    if mx_wgrad and aligned_groups and m % WGRAD_ROW_ALIGN:
+        # With aligned groups the wgrad kernels skip their re-layout (which accepts any M) and
+        # TMA-load the tokens as they are: the row stride needs M % 16 == 0. Zero rows appended
+        # to the last group change no result (its last 32-block is zero-padded anyway; a block
+        # that becomes all-zero adds exact zeros) -- dx is sliced back to M rows.
         mp = L.round_up(m, WGRAD_ROW_ALIGN)
         offs = torch.cat([offs[:-1], offs.new_full((1,), mp)])
         dy = torch.cat([dy, dy.new_zeros(mp - m, dy.shape[1])])
@@ -335,7 +336,8 @@ def grouped_mm(
     save = (
         bool(save_colwise)
         and wgrad == "mxfp8"
-        and x.shape[0] % WGRAD_ROW_ALIGN == 0  # odd M: backward pads x, so keep the BF16 x
+        # odd M with aligned groups: backward pads x, so keep the BF16 x
+        and (x.shape[0] % WGRAD_ROW_ALIGN == 0 or not aligned_groups)
         and torch.is_grad_enabled()
         and w_t.requires_grad
     )

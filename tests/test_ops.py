@@ -316,15 +316,18 @@ def test_gpu_no_host_sync(gen, wgrad):
     torch.cuda.synchronize()
 
 
-def test_odd_m_wgrad_padding_is_exact(gen):
-    """M % 16 != 0: backward pads the tokens with zero rows for the Hopper wgrad kernel; the
+@pytest.mark.parametrize("aligned_groups", [False, True])
+def test_odd_m_wgrad_padding_is_exact(gen, aligned_groups):
+    """M % 16 != 0: with aligned_groups backward pads the tokens with zero rows (the wgrad
+    kernels then TMA-load them as they are); without, the kernels' re-layout takes any M. The
     weight and input gradients must equal the unpadded MXFP8 computation bit for bit."""
     from moe_mxfp8 import quantize_colwise, quantize_dual, quantize_weights, reference
 
     x, w, offs, dy = make_data(gen, 300, 128, 160, 5, (2,))
     xa = x.clone().requires_grad_()
     wa = w.clone().requires_grad_()
-    y = grouped_mm(xa, wa.transpose(-2, -1), offs, backend="reference")
+    y = grouped_mm(xa, wa.transpose(-2, -1), offs, backend="reference",
+                   aligned_groups=aligned_groups)
     y.backward(dy)
     dyq, dytq = quantize_dual(dy, offs=offs, backend="reference")
     xtq = quantize_colwise(x, offs=offs, backend="reference")
