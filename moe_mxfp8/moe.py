@@ -58,7 +58,9 @@ GROUP_ALIGN_ROWS = WGRAD_ROW_ALIGN  # one constant: the wgrad kernel's token ali
 
 def _padded_extent(m: int, num_experts: int) -> int:
     """Static row count of the 16-aligned expert-sorted buffer: ``m`` pairs plus at most 15 pad
-    rows per group, rounded to 16 (so the whole buffer's row count is a multiple of 16 too)."""
+    rows per group, rounded to 16 (so the whole buffer's row count is a multiple of 16 too).
+    The same bound as `kernels.grouped_gemm_common.k_aligned_extent` (kept apart: importing the
+    kernels module needs CuTeDSL)."""
     bound = m + (GROUP_ALIGN_ROWS - 1) * num_experts
     return (bound + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
 
