@@ -35,6 +35,8 @@ CONFIGS = {
     "single tmp": {"double_tmp": False},
     "diag no_promote": {"diag": "no_promote"},
     "diag promote_only": {"diag": "promote_only"},
+    "cluster2": {"cluster_n": 2},
+    "cluster2 diag no_promote": {"cluster_n": 2, "diag": "no_promote"},
 }
 
 
@@ -138,9 +140,10 @@ def main():
         name = f"{op} {shape} T={rows or SHAPES[shape][1]}"
         modes = {int(m) for m in args.modes.split(",")}
         case["bs"] = {br: b for br, b in case["bs"].items() if br in modes}
-        allrows += run_case(case, name, configs, args.once)
-        bf = allrows[-len(configs) * len(case["bs"]) - 1]
+        case_rows = run_case(case, name, configs, args.once)
+        allrows += case_rows
         if not args.once:
+            bf = case_rows[0]  # the bf16 baseline row
             print(_fmt(bf, case["flops"], bf["us"]), flush=True)
         del case
         torch.cuda.empty_cache()

@@ -52,6 +52,7 @@ promotion is one FFMA per element).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import cutlass
@@ -121,6 +122,15 @@ class Sm90GroupedGemmConfig:
     # persistent grid: min(output tiles, max_ctas) CTAs walk the tiles (one CTA per SM fits:
     # ~224 KB of shared memory); the host sets the device's SM count
     max_ctas: int = 132
+    # CTAs per cluster along the output tile's fast axis (1 or 2). With 2, the CTAs of a
+    # cluster take adjacent tiles that share the A rows, and each TMA-loads half of the A tile
+    # and multicasts it to both, so L2 serves 3/4 of the operand bytes per k-tile. Needs an
+    # even number of tiles along the fast axis (`can_cluster`; otherwise the host uses 1).
+    # Default 1, measured (H100, 2026-11-23, T=32768, docs/NOTES.md): 2 speeds up the kernel
+    # without promotion by 4-18% (mixtral dgrad 8821 -> 7594 us, 32x32) but the real kernel,
+    # bound by the consumers' promotion, only by -4..+3% (dsv3 fprop 32x32 3003 -> 3041 us,
+    # mixtral fprop 32x32 15002 -> 14726, wgrad16 mixtral 20793 -> 21604).
+    cluster_n: int = 1
     # diagnostics for measuring the kernel's limits (results are WRONG; never dispatched):
     # "no_promote": the wgmmas accumulate straight into acc (the same pipeline without the
     # CUDA-core promotion); "no_scale_wait": scale warps idle, consumers do not wait for them;
@@ -136,6 +146,8 @@ class Sm90GroupedGemmConfig:
             raise ValueError("the K-grouped variant uses 1x32 blocks only")
         if self.scale_lookahead < 1:
             raise ValueError("scale_lookahead must be >= 1")
+        if self.cluster_n not in (1, 2):
+            raise ValueError("cluster_n must be 1 or 2")
         if self.diag not in DIAG_MODES:
             raise ValueError(f"diag must be one of {DIAG_MODES}, got {self.diag!r}")
 
@@ -190,8 +202,15 @@ class Sm90GroupedGemm:
         )
         a_layout, b_layout = self._smem_layouts()
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            op, mA, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K))
+        cl = self.cfg.cluster_n
+        if cutlass.const_expr(cl > 1):
+            # each CTA of the cluster loads 1/cl of the shared A tile and multicasts it
+            tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mA,
+                cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K), num_multicast=cl)
+        else:
+            tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op, mA, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K))
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, mB, cute.slice_(b_layout, (None, None, 0)), (TILE_N, TILE_K))
         num_groups = cute.size(offs, mode=[0])
@@ -204,7 +223,9 @@ class Sm90GroupedGemm:
         else:
             tiles_bound = ((cute.size(mB, mode=[0]) + TILE_N - 1) // TILE_N
                            * ((cute.size(mA, mode=[0]) + TILE_M - 1) // TILE_M) * num_groups)
-        grid = (cutlass.max(cutlass.min(tiles_bound, self.cfg.max_ctas), 1), 1, 1)
+        # persistent grid of whole clusters (tiles_bound is a multiple of cl, see can_cluster)
+        clusters = cutlass.max(cutlass.min(tiles_bound // cl, self.cfg.max_ctas // cl), 1)
+        grid = (clusters * cl, 1, 1)
 
         stages = self.stages
         sfa_words = stages * BLOCKS_PER_KTILE * self.sfa_stride
@@ -225,8 +246,8 @@ class Sm90GroupedGemm:
         self.shared_storage = SharedStorage
         self.kernel(tma_a, tA, tma_b, tB, mA, mB, mOut, sfA, sfB, offs, self.tiled_mma,
                     a_layout, b_layout).launch(grid=grid, block=[NUM_THREADS, 1, 1],
-                                               min_blocks_per_mp=1,
-                                     stream=stream)
+                                               min_blocks_per_mp=1, stream=stream,
+                                               **({"cluster": (cl, 1, 1)} if cl > 1 else {}))
 
     # ------------------------------------------------------------------ device
     @cute.kernel
@@ -251,10 +272,12 @@ class Sm90GroupedGemm:
             # full barrier: 1 TMA arrive (with the byte count) + 32 scale-warp arrives
             producer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, 1 if self.cfg.diag == "no_scale_wait" else 1 + 32),
+            # empty barrier: one arrive per consumer warp of every CTA of the cluster (the
+            # producers write A into each other's stages)
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     NUM_CONSUMER_WG * 4),
+                                                     NUM_CONSUMER_WG * 4 * self.cfg.cluster_n),
             tx_count=self.tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, self.cfg.cluster_n, 1)),
         )
         sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
@@ -267,14 +290,23 @@ class Sm90GroupedGemm:
         # t = bidx, bidx + grid, ... (n-tile fastest, so concurrent CTAs share A rows in L2);
         # the pipeline runs on across tiles, so the producers load the next tile while the
         # consumers store this one.
+        # clusters of cl CTAs (1-D along x: the rank is bidx % cl) walk cluster tiles
+        # p = cid, cid + n_clusters, ...; rank r of a cluster takes output tile
+        # `cluster_tile(p, r)`, so the cluster's CTAs share the A rows (same group, same k-tiles)
+        cl = self.cfg.cluster_n
         n_ctas, _, _ = cute.arch.grid_dim()
+        n_clusters = n_ctas // cl
+        cid = bidx // cl
+        rank = bidx % cl
         num_tiles, tiles_x, tiles_xy = self.tile_counts(tA, tB, offs)
+        num_ctiles = num_tiles // cl
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                     self.stages)
-                for t in range(bidx, num_tiles, n_ctas):
+                for p in range(cid, num_ctiles, n_clusters):
+                    t = self.cluster_tile(p, rank, tiles_x)
                     tx, ty, row0, row_end, _, _, k_tiles, _, grp = \
                         self.decode_tile(tA, tB, offs, t, tiles_x, tiles_xy)
                     tma_ok = True
@@ -284,14 +316,19 @@ class Sm90GroupedGemm:
                         tma_ok = row0 % TMA_INNER_ALIGN == 0
                     if tma_ok:
                         prod = self.tma_producer(pipe, prod, tma_a, tA, tma_b, tB, sA, sB,
-                                                 row0, tx, ty, grp, k_tiles)
+                                                 row0, tx, ty, grp, k_tiles, rank)
                     else:
                         prod = self.copy_producer(pipe, prod, mA, mB, storage.sA.data_ptr(),
                                                   storage.sB.data_ptr(), row0, row_end, tx, ty,
                                                   k_tiles)
+                if cutlass.const_expr(cl > 1):
+                    # the peer's consumers still arrive on this CTA's empty barriers: wait for
+                    # all of them before the CTA may exit
+                    pipe.producer_tail(prod)
             if warp_idx > 0 and cutlass.const_expr(self.cfg.diag != "no_scale_wait"):
                 kbase = Int32(0)  # k-tiles of this CTA's earlier tiles (pipeline position)
-                for t in range(bidx, num_tiles, n_ctas):
+                for p in range(cid, num_ctiles, n_clusters):
+                    t = self.cluster_tile(p, rank, tiles_x)
                     _, _, _, _, a_tile0, b_tile0, k_tiles, _, _ = \
                         self.decode_tile(tA, tB, offs, t, tiles_x, tiles_xy)
                     self.scale_producer(pipe, sfA, sfB, sSFA, sSFB, a_tile0, b_tile0, kbase,
@@ -300,7 +337,8 @@ class Sm90GroupedGemm:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for t in range(bidx, num_tiles, n_ctas):
+            for p in range(cid, num_ctiles, n_clusters):
+                t = self.cluster_tile(p, rank, tiles_x)
                 tx, ty, row0, row_end, _, _, k_tiles, tok_valid_last, grp = \
                     self.decode_tile(tA, tB, offs, t, tiles_x, tiles_xy)
                 cons = self.consumer(pipe, cons, tiled_mma, sA, sB, sSFA, sSFB, mOut, tidx,
@@ -323,6 +361,17 @@ class Sm90GroupedGemm:
             tiles_xy = tiles_x * ((cute.size(tA, mode=[0]) + TILE_M - 1) // TILE_M)
             num_tiles = tiles_xy * num_groups
         return num_tiles, tiles_x, tiles_xy
+
+    @cute.jit
+    def cluster_tile(self, p: Int32, rank: Int32, tiles_x: Int32):
+        """Cluster tile ``p`` -> the linear output tile of CTA ``rank``: tiles ``cl * j + rank``
+        along x (fastest) of the same y/z, i.e. the same A rows."""
+        t = p
+        if cutlass.const_expr(self.cfg.cluster_n > 1):
+            cl = self.cfg.cluster_n
+            per_x = tiles_x // cl
+            t = (p // per_x) * tiles_x + (p % per_x) * cl + rank
+        return t
 
     @cute.jit
     def decode_tile(self, tA: cute.Tensor, tB: cute.Tensor, offs: cute.Tensor, t: Int32,
@@ -377,7 +426,7 @@ class Sm90GroupedGemm:
     @cute.jit
     def tma_producer(self, pipe, state, tma_a, tA: cute.Tensor, tma_b, tB: cute.Tensor,
                      sA: cute.Tensor, sB: cute.Tensor, row0: Int32, bidx: Int32, bidy: Int32,
-                     grp: Int32, k_tiles: Int32):
+                     grp: Int32, k_tiles: Int32, rank: Int32):
         if cutlass.const_expr(self.is_m):
             gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (TILE_M, TILE_K),
                                  (0, None))
@@ -388,14 +437,21 @@ class Sm90GroupedGemm:
                                  (bidy, None))
             gB = cute.local_tile(cute.domain_offset((0, row0), tB), (TILE_N, TILE_K),
                                  (bidx, None))
+        cl = self.cfg.cluster_n
+        # with a cluster, this CTA's TMA moves slice `rank` of the A tile into every CTA
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+            tma_a, rank if cl > 1 else 0, cute.make_layout(cl), cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         for kt in range(k_tiles):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(cl > 1):
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16((1 << cl) - 1))
+            else:
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
@@ -593,6 +649,11 @@ class Sm90GroupedGemm:
         tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
         tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
         acc.fill(0.0)
+        if cutlass.const_expr(self.cfg.diag == "promote_only"):
+            # no wgmma writes the temporaries: left undefined, ptxas folds the promotion away
+            # (FADD +QNAN); a runtime value keeps it (per-element values get rematerialized)
+            tmp0.fill(Float32(row0))
+            tmp1.fill(Float32(row0))
         # this thread's scale offsets inside a stage (see scale_producer)
         pos_a = ((cwg * 4 + warp_in_wg) * 8 + lane // 4) * 2
         q = lane % 4
@@ -761,6 +822,35 @@ def _words(scale: torch.Tensor) -> torch.Tensor:
     return scale.reshape(-1).view(torch.int32)
 
 
+@functools.cache
+def _max_active_clusters(device_index: int, cluster_size: int) -> int:
+    """How many clusters of ``cluster_size`` CTAs (one per SM) the GPU runs at once: a
+    persistent grid larger than that would leave whole clusters waiting for a second wave."""
+    from cutlass.utils import HardwareInfo
+
+    return HardwareInfo(device_index).get_max_active_clusters(cluster_size)
+
+
+def can_cluster(variant: str, n: int, k: int, cluster_n: int) -> bool:
+    """Whether output tiles along the fast axis (M-grouped: N, K-grouped: K) pair up evenly
+    into clusters of ``cluster_n`` CTAs (the cluster's CTAs must share every tile's A rows)."""
+    x_extent = n if variant == "m" else k
+    return -(-x_extent // TILE_N) % cluster_n == 0
+
+
+def _fit_cluster(cfg: Sm90GroupedGemmConfig, p: GC.GroupedProblem,
+                 t: torch.Tensor) -> Sm90GroupedGemmConfig:
+    """``cfg`` with ``cluster_n`` dropped to 1 where the tiles do not pair up, and the
+    persistent grid cut to the clusters that fit on the GPU at once."""
+    cl = cfg.cluster_n
+    if cl == 1:
+        return cfg
+    if not can_cluster(cfg.variant, p.n, p.k, cl):
+        return dataclasses.replace(cfg, cluster_n=1)
+    fit = cl * _max_active_clusters(t.device.index or 0, cl)
+    return dataclasses.replace(cfg, max_ctas=min(cfg.max_ctas, fit))
+
+
 def _run(cfg: Sm90GroupedGemmConfig, key_static: tuple, tensors: list, out: torch.Tensor):
     args = [_dyn(t, ld) for t, ld in tensors]
     stream = current_stream()
@@ -807,6 +897,7 @@ def grouped_mm_m(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat
         return out
     cfg = _tuned(Sm90GroupedGemmConfig("m", str(out_dtype).split(".")[-1], b.block_rows,
                                        max_ctas=_sm_count(out)), tuning)
+    cfg = _fit_cluster(cfg, p, out)
     tensors = [(a.data, 1), (b.data.permute(1, 2, 0), 1), (out, 1), (_words(a.scale), 0),
                (_words(b.scale), 0), (offs, 0)]
     return _run(cfg, p.static_key(), tensors, out)
@@ -837,6 +928,7 @@ def grouped_mm_k(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat
         a_data, b_data, offs = GC.align_k_groups(a_data, b_data, offs)
     cfg = _tuned(Sm90GroupedGemmConfig("k", str(out_dtype).split(".")[-1], 1,
                                        max_ctas=_sm_count(out)), tuning)
+    cfg = _fit_cluster(cfg, p, out)
     tensors = [(a_data, 1), (b_data, 1), (out.permute(1, 2, 0), 1), (_words(a.scale), 0),
                (_words(b.scale), 0), (offs, 0)]
     return _run(cfg, p.static_key(), tensors, out)

@@ -9,6 +9,7 @@ random data, outputs NaN-poisoned first so that every element must be written.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -40,8 +41,10 @@ needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
 # CPU: compile for sm_90a, inspect SASS
 # ---------------------------------------------------------------------------------------------
 
-VARIANTS = [("m", "bfloat16", 1), ("m", "float32", 1), ("m", "bfloat16", 32),
-            ("k", "bfloat16", 1), ("k", "float32", 1)]
+# (variant, out dtype, weight block rows, CTAs per cluster)
+VARIANTS = [("m", "bfloat16", 1, 1), ("m", "float32", 1, 1), ("m", "bfloat16", 32, 1),
+            ("k", "bfloat16", 1, 1), ("k", "float32", 1, 1), ("m", "bfloat16", 32, 2),
+            ("k", "bfloat16", 1, 2)]
 
 
 def _nvdisasm() -> str | None:
@@ -63,22 +66,23 @@ def _nvdisasm() -> str | None:
 _COMPILE_SCRIPT = textwrap.dedent("""
     import sys
     from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-    variant, out_dtype, br = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    K.compile_fake(K.Sm90GroupedGemmConfig(variant, out_dtype, br), 256, 512,
+    variant, out_dtype, br, cl = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    K.compile_fake(K.Sm90GroupedGemmConfig(variant, out_dtype, br, cluster_n=cl), 256, 512,
                    options="--keep-cubin")
     print("OK")
 """)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,out_dtype,block_rows", VARIANTS)
-def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, variant, out_dtype, block_rows):
+@pytest.mark.parametrize("variant,out_dtype,block_rows,cluster_n", VARIANTS)
+def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, variant, out_dtype, block_rows,
+                                                     cluster_n):
     pytest.importorskip("cutlass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, variant, out_dtype,
-                          str(block_rows)], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=600)
+                          str(block_rows), str(cluster_n)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-4000:]
     cubins = glob.glob(str(tmp_path / "*.cubin"))
     assert cubins, "no cubin kept"
@@ -89,6 +93,31 @@ def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, variant, out_dtyp
     assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass
     assert "LDL" not in sass and "STL" not in sass, "local-memory spill"
     assert "UTMALDG" in sass
+    # a cluster's A tile arrives by multicast (each CTA loads its half for both)
+    assert ("MULTICAST" in sass) == (cluster_n > 1)
+
+
+@pytest.mark.slow
+def test_promotion_instruction_mix(tmp_path):
+    """tools/sass_mix.py on the k-loop's SASS: per k-tile per consumer warp, 4 QGMMA and one
+    FFMA per accumulator element per k=32 step (64 x 4 = 256) -- in 32x32 mode no FMUL (the
+    scale warps precompute the products), in 1x32 mode one FMUL each (the scale product).
+    More instructions here is a regression of the promotion, the kernel's bottleneck."""
+    pytest.importorskip("cutlass")
+    if _nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    out = tmp_path / "mix.json"
+    env = dict(os.environ, PATH=f"{os.path.dirname(_nvdisasm())}{os.pathsep}"
+               f"{os.environ.get('PATH', '')}")
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "sass_mix.py"), "--configs",
+                          "m 1x32,m 32x32", "--json", str(out)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    mix = json.loads(out.read_text())
+    for name, fmul, budget in (("m 1x32", 256, 640), ("m 32x32", 0, 340)):
+        r = mix[name]
+        assert (r["QGMMA"], r["FFMA"], r["FMUL"]) == (4, 256, fmul), (name, r)
+        assert r["instrs"] <= budget and r["spills"] == 0, (name, r)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +173,24 @@ def test_rejects_ungrouped_a_with_several_experts():
     a_plain = R.quantize_rowwise_ref(a.dequantize(torch.float32))
     with pytest.raises(ValueError, match="group_axis='rows'"):
         GC.describe_m(a_plain, b, offs, torch.bfloat16)
+
+
+def test_cluster_falls_back_when_tiles_do_not_pair():
+    """cluster_n=2 needs an even tile count along the fast axis (M-grouped: N, K-grouped: K);
+    otherwise the entry point runs the 1-CTA kernel (odd-count shapes stay correct)."""
+    pytest.importorskip("cutlass")
+    from moe_mxfp8.kernels import grouped_gemm_common as GC
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    assert K.can_cluster("m", 512, 96, 2) and not K.can_cluster("m", 384, 512, 2)
+    assert K.can_cluster("m", 160, 512, 2)  # 2 n-tiles (the second partial) pair up
+    assert K.can_cluster("k", 96, 256, 2) and not K.can_cluster("k", 512, 288, 2)
+    a, b, offs = _fprop_operands(64, 384, 64, [30, 34])
+    p = GC.describe_m(a, b, offs, torch.bfloat16)
+    cfg = K.Sm90GroupedGemmConfig("m", "bfloat16", 1, cluster_n=2)
+    assert K._fit_cluster(cfg, p, a.data).cluster_n == 1
+    with pytest.raises(ValueError, match="cluster_n"):
+        K.Sm90GroupedGemmConfig("m", "bfloat16", 1, cluster_n=4)
 
 
 def test_tile_bounds():
@@ -349,6 +396,43 @@ def test_persistent_loop_walks_every_tile(op, max_ctas):
         a, b = _wgrad_operands(m, n, k, offs)
         out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.bfloat16)
         K.grouped_mm_k(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
+    _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("max_ctas", [2, 6, None])
+@pytest.mark.parametrize("op", ["fprop", "fprop32", "dgrad", "wgrad", "wgrad_unaligned"])
+def test_cluster_of_two_matches_reference(op, max_ctas):
+    """cluster_n=2: paired CTAs multicast the shared A tile; every tile is still written once
+    and right, with the persistent loop walking several cluster tiles (max_ctas 2, 6) or one
+    (None: the grid the GPU fits), 9 k-tiles per tile (> the stages), empty / partial groups,
+    and wgrad's unaligned groups on the slow copy path (each CTA copies its own A)."""
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    torch.manual_seed(11 + (max_ctas or 0))
+    sizes = _sizes("E128" if op == "dgrad" else "E8_edge", 5)
+    offs = _offs(sizes, dev)
+    m = sum(sizes)
+    tuning = {"cluster_n": 2, **({"max_ctas": max_ctas} if max_ctas else {})}
+    if op in ("fprop", "fprop32", "dgrad"):
+        n, k = (512, 1056) if op != "dgrad" else (256, 288)  # 4 / 2 n-tiles: pairs
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+        a = R.quantize_rowwise_ref(x, offs=offs)
+        b = R.quantize_weights_ref(w, axis="K", block_rows=32 if op == "fprop32" else 1)
+        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        K.grouped_mm_m(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
+    else:
+        n, k = 160, 1024  # 8 k-tiles along the fast axis
+        a, b = _wgrad_operands(m, n, k, offs)
+        out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.bfloat16)
+        # groups_aligned=True on unaligned starts (E8_edge) takes the slow copy path; the
+        # default re-lays the groups out for TMA
+        K.grouped_mm_k(a, b, offs, torch.bfloat16, out=out, tuning=tuning,
+                       groups_aligned=op == "wgrad_unaligned")
     _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
 
 
