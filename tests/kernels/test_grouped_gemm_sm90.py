@@ -366,6 +366,21 @@ def test_dispatch_and_cuda_graph():
     _check(out2, R.grouped_mm(a2, b, offs, torch.float32), torch.bfloat16)
 
 
+def _fprop_tuned(offs: torch.Tensor, n: int, k: int, block_rows: int, tuning: dict):
+    """Fresh random fprop operands on offs' device (X (M, K) rowwise, W (E, N, K) with
+    `block_rows` weight blocks) and the kernel's NaN-poisoned output under `tuning`."""
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    m, dev = int(offs[-1]), offs.device
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(offs.numel(), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+    a = R.quantize_rowwise_ref(x, offs=offs)
+    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
+    out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+    K.grouped_mm_m(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
+    return a, b, out
+
+
 @gpu
 @needs_cuda
 @needs_hopper
@@ -385,12 +400,7 @@ def test_persistent_loop_walks_every_tile(op, max_ctas):
     tuning = {"max_ctas": max_ctas}
     if op in ("fprop", "fprop32", "wide_n"):
         n, k = (288, 1056) if op != "wide_n" else (1056, 288)  # wide_n: 9 n-tiles
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-        a = R.quantize_rowwise_ref(x, offs=offs)
-        b = R.quantize_weights_ref(w, axis="K", block_rows=32 if op == "fprop32" else 1)
-        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-        K.grouped_mm_m(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
+        a, b, out = _fprop_tuned(offs, n, k, 32 if op == "fprop32" else 1, tuning)
     else:
         n, k = 160, 288
         a, b = _wgrad_operands(m, n, k, offs)
@@ -403,7 +413,7 @@ def test_persistent_loop_walks_every_tile(op, max_ctas):
 @needs_cuda
 @needs_hopper
 @pytest.mark.parametrize("max_ctas", [2, 6, None])
-@pytest.mark.parametrize("op", ["fprop", "fprop32", "dgrad", "wgrad", "wgrad_unaligned"])
+@pytest.mark.parametrize("op", ["fprop", "fprop32", "fprop_e128", "wgrad", "wgrad_unaligned"])
 def test_cluster_of_two_matches_reference(op, max_ctas):
     """cluster_n=2: paired CTAs multicast the shared A tile; every tile is still written once
     and right, with the persistent loop walking several cluster tiles (max_ctas 2, 6) or one
@@ -413,18 +423,13 @@ def test_cluster_of_two_matches_reference(op, max_ctas):
 
     dev = "cuda"
     torch.manual_seed(11 + (max_ctas or 0))
-    sizes = _sizes("E128" if op == "dgrad" else "E8_edge", 5)
+    sizes = _sizes("E128" if op == "fprop_e128" else "E8_edge", 5)
     offs = _offs(sizes, dev)
     m = sum(sizes)
     tuning = {"cluster_n": 2, **({"max_ctas": max_ctas} if max_ctas else {})}
-    if op in ("fprop", "fprop32", "dgrad"):
-        n, k = (512, 1056) if op != "dgrad" else (256, 288)  # 4 / 2 n-tiles: pairs
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-        a = R.quantize_rowwise_ref(x, offs=offs)
-        b = R.quantize_weights_ref(w, axis="K", block_rows=32 if op == "fprop32" else 1)
-        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-        K.grouped_mm_m(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
+    if op in ("fprop", "fprop32", "fprop_e128"):
+        n, k = (512, 1056) if op != "fprop_e128" else (256, 288)  # 4 / 2 n-tiles: pairs
+        a, b, out = _fprop_tuned(offs, n, k, 32 if op == "fprop32" else 1, tuning)
     else:
         n, k = 160, 1024  # 8 k-tiles along the fast axis
         a, b = _wgrad_operands(m, n, k, offs)
