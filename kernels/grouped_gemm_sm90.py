@@ -203,14 +203,10 @@ class Sm90GroupedGemm:
         a_layout, b_layout = self._smem_layouts()
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         cl = self.cfg.cluster_n
-        if cutlass.const_expr(cl > 1):
-            # each CTA of the cluster loads 1/cl of the shared A tile and multicasts it
-            tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mA,
-                cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K), num_multicast=cl)
-        else:
-            tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                op, mA, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K))
+        # in a cluster each CTA loads 1/cl of the shared A tile and multicasts it
+        op_a = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if cl > 1 else op
+        tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op_a, mA, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K), num_multicast=cl)
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, mB, cute.slice_(b_layout, (None, None, 0)), (TILE_N, TILE_K))
         num_groups = cute.size(offs, mode=[0])
