@@ -436,7 +436,7 @@ class Sm90GroupedGemm:
         cl = self.cfg.cluster_n
         # with a cluster, this CTA's TMA moves slice `rank` of the A tile into every CTA
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a, rank if cl > 1 else 0, cute.make_layout(cl), cute.group_modes(sA, 0, 2),
+            tma_a, rank, cute.make_layout(cl), cute.group_modes(sA, 0, 2),
             cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))

@@ -4,8 +4,6 @@
 set -euo pipefail
 VERSION="${1:-4.8.1}"
 root="$(git rev-parse --show-toplevel)"; cd "$root"
-excl="$(git rev-parse --git-path info/exclude)"; mkdir -p "$(dirname "$excl")"
-grep -qxF '/.devsite/' "$excl" 2>/dev/null || echo '/.devsite/' >> "$excl"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d "$tmp/dl" \
