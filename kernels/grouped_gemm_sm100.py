@@ -31,9 +31,13 @@ Design (details in docs/NOTES.md, "Blackwell grouped GEMM"):
   operands) by the MMA warp before it issues the MMA. Output tiles align with ``(E, N, K)``, so
   every tile leaves by TMA store; an empty group stores zeros without reading TMEM.
 
-No Blackwell GPU was available when this was written: the kernel is verified by compiling for
-sm_100a and reading the SASS (tests/kernels/test_grouped_gemm_sm100.py); the first call on a
-real Blackwell GPU runs `moe_mxfp8.selfcheck` and refuses to run if the results are wrong.
+No Blackwell GPU was available when this was written: the kernel is verified on the CPU by
+compiling it for sm_100a and checking its SASS, PTX and descriptor immediates
+(tests/kernels/test_grouped_gemm_sm100.py) and by emulating its index code -- schedule, TMA
+boxes, swizzled shared memory, tail zeroing, epilogue -- against the reference
+(tests/kernels/test_sm100_emulation.py). The first call of each compiled configuration on a
+real Blackwell GPU runs `moe_mxfp8.selfcheck` and refuses to run if it is wrong, hangs or
+faults.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ SF_BOX = (4, 128)  # a 512-byte packed tile as a TMA box (inner box dimension <=
 SMEM_CAPACITY = 232448  # sm_100 opt-in shared memory per CTA (227 KiB)
 SMEM_RESERVED = 1024  # barriers, TMEM pointer, alignment slack
 TMEM_COLS = 512  # TMEM columns per SM; allocated whole (one CTA per SM)
+STORE_VECTOR_BYTES = 16  # partial output tiles: one 128-bit global store per 16 bytes
 OFFS_ALIGN = 4  # offs may be a view at any int32 offset; it is read by scalar loads only
 EPI_WARPS = (0, 1, 2, 3)
 MMA_WARP = 4
@@ -247,12 +252,14 @@ class Sm100GroupedBlockScaledGemm:
         num_groups: Int32,
         sfa_bytes: Int32,
         sfb_bytes: Int32,
-        max_active_clusters: cutlass.Constexpr,
+        num_clusters: Int32,
         stream,
     ):
         """Raw device pointers of the torch buffers (contiguous; see `_views`), the token count
-        ``m``, the group count, and the packed scale buffer sizes in bytes (multiples of 512).
-        Pointers + Int32 sizes keep one compiled signature for CPU CI and the GPU."""
+        ``m``, the group count, the packed scale buffer sizes in bytes (multiples of 512) and
+        the persistent grid in clusters (a launch argument: the first-use self-check runs the
+        same compiled kernel on a capped grid). Pointers + Int32 sizes keep one compiled
+        signature for CPU CI and the GPU."""
         self._setup()
         mA, mB, mC = self._views(a_ptr, b_ptr, out_ptr, m, num_groups)
         # The same output for the predicated stores, with a 64-bit row stride: M x N may pass
@@ -326,11 +333,11 @@ class Sm100GroupedBlockScaledGemm:
         cluster_size = self.cluster_shape_mn[0] * self.cluster_shape_mn[1]
         self.kernel(
             tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa,
-            tma_atom_sfb, tma_sfb, tma_atom_c, tma_c, mC_st, offs, self.cluster_layout_vmnk,
+            tma_atom_sfb, tma_sfb, tma_atom_c, tma_c, mC_st, offs, m, self.cluster_layout_vmnk,
             self.a_smem_layout, self.b_smem_layout, self.sfa_smem_layout, self.sfb_smem_layout,
             self.c_smem_layout, self.sfa_tma_layout, self.sfb_tma_layout, self.epi_tile,
         ).launch(
-            grid=(max_active_clusters * cluster_size, 1, 1),
+            grid=(num_clusters * cluster_size, 1, 1),
             block=(THREADS, 1, 1),
             cluster=(*self.cluster_shape_mn, 1),
             stream=stream,
@@ -389,7 +396,7 @@ class Sm100GroupedBlockScaledGemm:
             g = g + 1
             t0 = t1
             if g < num_groups:
-                t1 = offs[g]
+                t1 = self._group_end(offs, g)
                 done = unit < base + self._units_of_group(t1 - t0)
             else:
                 done = True
@@ -397,7 +404,14 @@ class Sm100GroupedBlockScaledGemm:
 
     @cute.jit
     def _start_cursor(self, offs: cute.Tensor):
-        return Int32(0), Int32(0), Int32(0), offs[0], Int32(0)
+        return Int32(0), Int32(0), Int32(0), self._group_end(offs, Int32(0)), Int32(0)
+
+    @cute.jit
+    def _group_end(self, offs: cute.Tensor, g: Int32) -> Int32:
+        """``offs[g]`` clamped to ``[0, num_tokens]``: a malformed ``offs`` (past M, negative)
+        can then neither store outside the output (M-grouped rows stop at a group end) nor read
+        past the operands' token extent; the host never syncs to validate ``offs``."""
+        return cutlass.min(cutlass.max(offs[g], Int32(0)), self.num_tokens)
 
     @cute.jit
     def _tile_coords(self, unit: Int32, cur):
@@ -434,6 +448,7 @@ class Sm100GroupedBlockScaledGemm:
         mC_tma: cute.Tensor,
         mC: cute.Tensor,
         offs: cute.Tensor,
+        num_tokens: Int32,
         cluster_layout_vmnk: cute.Layout,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
@@ -450,6 +465,7 @@ class Sm100GroupedBlockScaledGemm:
         self.sfa_smem_layout, self.sfb_smem_layout = sfa_smem_layout, sfb_smem_layout
         self.c_smem_layout, self.epi_tile = c_smem_layout, epi_tile
         self.sfa_tma_layout, self.sfb_tma_layout = sfa_tma_layout, sfb_tma_layout
+        self.num_tokens = num_tokens  # group ends are clamped to it (`_group_end`)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == TMA_WARP:
             for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c):
@@ -570,6 +586,22 @@ class Sm100GroupedBlockScaledGemm:
         return scale_tile_index(self.mode, self.cfg.n, self.cfg.k, self.mma_tiler[0],
                                 self.mma_tiler[1], mt, nt, v, g, t1 - t0, tb)
 
+    @cute.jit
+    def _operand_tiles(self, mA, mB, mt, nt, cur):
+        """A / B MMA tiles ``(rows, TILE_K, k-tile)`` of a work unit, shifted to the group's
+        arbitrary token origin (TMA box starts need no alignment). The host emulation (tests)
+        runs this on coordinate tensors to get the TMA box origins."""
+        a_row, b_row, b_l, k0 = self._a_rows(mt, nt, cur)
+        gA = cute.local_tile(
+            cute.domain_offset((a_row, k0, 0), mA),
+            cute.slice_(self.mma_tiler, (None, 0, None)), (0, None, 0),
+        )
+        gB = cute.local_tile(
+            cute.domain_offset((b_row, k0, 0), mB),
+            cute.slice_(self.mma_tiler, (0, None, None)), (0, None, b_l),
+        )
+        return gA, gB
+
     # ------------------------------------------------------------------ TMA warp
     @cute.jit
     def _producer(
@@ -606,18 +638,9 @@ class Sm100GroupedBlockScaledGemm:
         cur = self._seek(offs, unit, cur)
         while cur[0] < cute.size(offs):
             mt, nt = self._tile_coords(unit, cur)
-            a_row, b_row, b_l, k0 = self._a_rows(mt, nt, cur)
             sfa_t, sfb_t, sfb_step = self._sf_tiles(mt, nt, v, cur)
             k_tiles = self._k_tiles(cur)
-            # A / B tiles of this work unit, shifted to the group's arbitrary token origin.
-            gA = cute.local_tile(
-                cute.domain_offset((a_row, k0, 0), mA),
-                cute.slice_(self.mma_tiler, (None, 0, None)), (0, None, 0),
-            )
-            gB = cute.local_tile(
-                cute.domain_offset((b_row, k0, 0), mB),
-                cute.slice_(self.mma_tiler, (0, None, None)), (0, None, b_l),
-            )
+            gA, gB = self._operand_tiles(mA, mB, mt, nt, cur)
             tAsA, tAgA = cpasync.tma_partition(
                 tma_atom_a, cluster_coord[2], a_cta_layout,
                 cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3),
@@ -734,18 +757,35 @@ class Sm100GroupedBlockScaledGemm:
             if tail != 0:
                 lane = cute.arch.lane_idx()
                 kb = valid // MMA_K
-                # ((rows, 32)) views of k-block kb of this stage; the swizzle is in the layout.
-                sAz = cute.recast_tensor(sA[(None, 0, kb, ab_state.index)], cutlass.Uint8)
-                sBz = cute.recast_tensor(sB[(None, 0, kb, ab_state.index)], cutlass.Uint8)
-                for r in cutlass.range(lane, cute.size(sAz, mode=[0, 0]), 32, unroll=1):
-                    for c in cutlass.range(tail, MMA_K, unroll=1):
-                        sAz[((r, c),)] = cutlass.Uint8(0)
-                for r in cutlass.range(lane, cute.size(sBz, mode=[0, 0]), 32, unroll=1):
-                    for c in cutlass.range(tail, MMA_K, unroll=1):
-                        sBz[((r, c),)] = cutlass.Uint8(0)
+                self._zero_block_tail(self._kblock_bytes(sA, self.a_smem_layout, kb,
+                                                         ab_state.index), tail, lane, 32)
+                self._zero_block_tail(self._kblock_bytes(sB, self.b_smem_layout, kb,
+                                                         ab_state.index), tail, lane, 32)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_warp()
         return n_kblocks
+
+    @cute.jit
+    def _kblock_bytes(self, s_op, smem_layout, kb, stage):
+        """Byte view ``((rows, 32))`` of k-block ``kb`` of one operand stage, addressed through
+        the operand's 128-byte swizzle.
+
+        The operand tensor carries its swizzle in the pointer type (`get_tensor(outer,
+        swizzle=inner)`); `cute.recast_tensor` rebuilds the pointer without it (its address
+        would be ``r * 128 + c`` instead of the TMA/MMA's ``r * 128 + (c ^ (r % 8) * 16)``),
+        so the byte pointer is rebuilt with the layout's swizzle. fp8 and bytes have the same
+        width: the layout is unchanged. The host emulation (tests) runs this same code."""
+        view = s_op[(None, 0, kb, stage)]
+        ptr = cute.recast_ptr(view.iterator, smem_layout.inner, dtype=cutlass.Uint8)
+        return cute.make_tensor(ptr, view.layout)
+
+    @cute.jit
+    def _zero_block_tail(self, blk, tail, first_row, row_step):
+        """Zero bytes ``[tail, 32)`` of rows ``first_row, first_row + row_step, ...`` of a
+        k-block byte view (`_kblock_bytes`); one lane per row, the warp covers every row."""
+        for r in cutlass.range(first_row, cute.size(blk, mode=[0, 0]), row_step, unroll=1):
+            for c in cutlass.range(tail, MMA_K, unroll=1):
+                blk[((r, c),)] = cutlass.Uint8(0)
 
     def _s2t_partition(self, sSF, tSF):
         """tcgen05.cp (SMEM -> TMEM) of a scale tile: copy, partitioned source, destination."""
@@ -762,20 +802,8 @@ class Sm100GroupedBlockScaledGemm:
     def _epilogue(self, tiled_mma, v, acc_pipe, acc_ptr, tCtAcc_fake, tma_atom_c, mC_tma, mC,
                   sC, offs):
         tidx, _, _ = cute.arch.thread_idx()
-        tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
-        t2r_atom = sm100_utils.get_tmem_load_op(
-            self.cta_tile_mnk, self.c_layout, self.c_dtype, self.acc_dtype, self.epi_tile,
-            self.atom_thr == 2,
-        )
-        # (EPI_TILE_M, EPI_TILE_N, EPI_M, EPI_N, STAGE)
-        tAcc_epi = cute.flat_divide(tCtAcc_base[((None, None), 0, 0, None)], self.epi_tile)
-        tiled_t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0, 0)])
-        thr_t2r = tiled_t2r.get_slice(tidx)
-        tTR_tAcc_base = thr_t2r.partition_S(tAcc_epi)
-        # Coordinates of every accumulator element of a CTA tile (for predicated stores).
+        tiled_t2r, tTR_tAcc_base, tTR_cC = self._epi_partition(tidx, acc_ptr, tCtAcc_fake)
         cta_tile_mn = (self.cta_tile_mnk[0], self.cta_tile_mnk[1])
-        cC_epi = cute.flat_divide(cute.make_identity_tensor(cta_tile_mn), self.epi_tile)
-        tTR_cC = thr_t2r.partition_D(cC_epi)
         tTR_rAcc = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0, 0)].shape, self.acc_dtype)
         tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
         r2s_atom = sm100_utils.get_smem_store_op(
@@ -847,20 +875,54 @@ class Sm100GroupedBlockScaledGemm:
         c_pipe.producer_tail()
 
     @cute.jit
+    def _epi_partition(self, tidx, acc_ptr, tCtAcc_fake):
+        """TMEM -> register copy of epilogue thread ``tidx``: (tiled copy, its TMEM source
+        ``(..., EPI_M, EPI_N, ACC_STAGE)``, the CTA-tile coordinates of its registers
+        ``(..., EPI_M, EPI_N)``). Layout algebra only: the host emulation (tests) runs it with
+        a stand-in TMEM pointer to get every thread's elements."""
+        tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+        t2r_atom = sm100_utils.get_tmem_load_op(
+            self.cta_tile_mnk, self.c_layout, self.c_dtype, self.acc_dtype, self.epi_tile,
+            self.atom_thr == 2,
+        )
+        # (EPI_TILE_M, EPI_TILE_N, EPI_M, EPI_N, STAGE)
+        tAcc_epi = cute.flat_divide(tCtAcc_base[((None, None), 0, 0, None)], self.epi_tile)
+        tiled_t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0, 0)])
+        thr_t2r = tiled_t2r.get_slice(tidx)
+        cta_tile_mn = (self.cta_tile_mnk[0], self.cta_tile_mnk[1])
+        cC_epi = cute.flat_divide(cute.make_identity_tensor(cta_tile_mn), self.epi_tile)
+        return tiled_t2r, thr_t2r.partition_S(tAcc_epi), thr_t2r.partition_D(cC_epi)
+
+    @cute.jit
     def _store_predicated(self, tTR_rC, tTR_cC, mC, row0, col0, c_l, valid_rows, n_total):
         """The last tile of a group (M-grouped): each thread stores its own elements whose row
-        is inside the group and column inside N (rows past the group belong to the next one)."""
-        for i in cutlass.range_constexpr(cute.size(tTR_rC)):
+        is inside the group and column inside N (rows past the group belong to the next one),
+        16 bytes at a time.
+
+        A thread's registers of a subtile are one row's consecutive columns (the TMEM load
+        gives lane = row; checked on the host by tests/kernels/test_sm100_emulation.py), and
+        ``vec`` consecutive columns starting at a multiple of ``vec`` are 16-byte aligned in
+        global memory: the base is 16-byte aligned, the row stride N elements with N % 32 == 0
+        (`can_implement`), ``col0`` a multiple of 128. N % 32 == 0 also keeps a vector either
+        wholly inside N or wholly past it."""
+        vec = STORE_VECTOR_BYTES * 8 // self.c_dtype.width
+        frag = cute.make_rmem_tensor((vec,), self.c_dtype)
+        for i in cutlass.range_constexpr(0, cute.size(tTR_rC), vec):
             r, c = tTR_cC[i]
             if r < valid_rows and col0 + c < n_total:
-                mC[(row0 + r, col0 + c, c_l)] = tTR_rC[i]
+                off = cute.crd2idx((row0 + r, col0 + c, c_l), mC.layout)
+                dst = cute.make_tensor(mC.iterator + cute.assume(off, divby=vec),
+                                       cute.make_layout(vec))
+                for j in cutlass.range_constexpr(vec):
+                    frag[j] = tTR_rC[i + j]
+                dst.store(frag.load())
 
 
 # ---------------------------------------------------------------------------------------------
 # host entry points
 # ---------------------------------------------------------------------------------------------
 
-_CACHE = CompileCache()
+_CACHE = CompileCache("grouped_gemm_sm100")
 
 
 def _max_active_clusters(device: torch.device, cluster_size: int) -> int:
@@ -884,11 +946,12 @@ def _ptr(dtype, addr: int, align: int = 16):
     return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_kernel(config: Sm100GroupedConfig, max_active_clusters: int, stream=None,
-                   options: str | None = None):
-    """Compile one configuration for ``target_arch()`` (cached per config, arch and cluster
-    count). Token count, group count and buffer sizes are runtime Int32 arguments, so the same
-    compile serves every call and CPU CI compiles exactly what the GPU runs."""
+def compile_kernel(config: Sm100GroupedConfig, max_active_clusters: int | None = None,
+                   stream=None, options: str | None = None):
+    """Compile one configuration for ``target_arch()`` (cached per config and arch). Token
+    count, group count, buffer sizes and the grid are runtime Int32 arguments, so the same
+    compile serves every call (and the self-check) and CPU CI compiles exactly what the GPU
+    runs. ``max_active_clusters`` is accepted for older callers and unused."""
 
     def build():
         kern = Sm100GroupedBlockScaledGemm(config)
@@ -900,14 +963,17 @@ def compile_kernel(config: Sm100GroupedConfig, max_active_clusters: int, stream=
         st = stream if stream is not None else cute.runtime.make_fake_stream()
         kw = {"options": options} if options else {}
         return cute.compile(kern, *ptrs, Int32(1), Int32(1), Int32(TILE_BYTES),
-                            Int32(TILE_BYTES), max_active_clusters, st, **kw)
+                            Int32(TILE_BYTES), Int32(1), st, **kw)
 
-    key = (config, max_active_clusters, target_arch(), options)
-    return _CACHE.get(key, build)
+    key = (config, target_arch(), options)
+    # compile options ask for artifacts (--keep-cubin ...): compile here, never load from disk
+    return _CACHE.get(key, build, persist=not options)
 
 
-def _run(problem: ggc.GroupedProblem, a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor):
-    """Launch on the current stream (no host sync). Returns the output tensor."""
+def _run(problem: ggc.GroupedProblem, a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
+         max_clusters: int | None = None):
+    """Launch on the current stream (no host sync). Returns the output tensor.
+    ``max_clusters`` caps the persistent grid (the self-check: several tiles per CTA)."""
     cfg = select_config(problem)
     kern = Sm100GroupedBlockScaledGemm(cfg)
     ok, why = kern.can_implement(problem)
@@ -920,8 +986,10 @@ def _run(problem: ggc.GroupedProblem, a: MXFP8Tensor, b: MXFP8Tensor, offs: torc
         if t.data_ptr() % 16:
             raise ValueError("sm100 grouped GEMM needs 16-byte aligned buffers")
     clusters = _max_active_clusters(a.device, 2 if cfg.two_cta else 1)
+    if max_clusters is not None:
+        clusters = max(1, min(clusters, max_clusters))
     stream = current_stream()
-    fn = compile_kernel(cfg, clusters, stream)
+    fn = compile_kernel(cfg, stream=stream)
     c_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[
         problem.out_dtype
     ]
@@ -932,16 +1000,17 @@ def _run(problem: ggc.GroupedProblem, a: MXFP8Tensor, b: MXFP8Tensor, offs: torc
         _ptr(c_dtype, out.data_ptr()), _ptr(Int32, offs.data_ptr(), OFFS_ALIGN),
         Int32(problem.m), Int32(problem.num_groups),
         Int32(a.scale.numel() // TILE_BYTES * TILE_BYTES),
-        Int32(b.scale.numel() // TILE_BYTES * TILE_BYTES), stream,
+        Int32(b.scale.numel() // TILE_BYTES * TILE_BYTES), Int32(clusters), stream,
     )
     return out
 
 
-def _grouped_mm_m_unchecked(a, b, offs, out_dtype=torch.bfloat16):
-    return _run(ggc.describe_m(a, b, offs, out_dtype), a, b, offs)
+def _grouped_mm_m_unchecked(a, b, offs, out_dtype=torch.bfloat16, max_clusters=None):
+    return _run(ggc.describe_m(a, b, offs, out_dtype), a, b, offs, max_clusters)
 
 
-def _grouped_mm_k_unchecked(a, b, offs, out_dtype=torch.bfloat16, groups_aligned=False):
+def _grouped_mm_k_unchecked(a, b, offs, out_dtype=torch.bfloat16, groups_aligned=False,
+                            max_clusters=None):
     problem = ggc.describe_k(a, b, offs, out_dtype)
     if not groups_aligned and problem.m > 0:
         # Every group to a 16-token aligned start (exact: scales unchanged, result identical;
@@ -951,15 +1020,49 @@ def _grouped_mm_k_unchecked(a, b, offs, out_dtype=torch.bfloat16, groups_aligned
         a = dataclasses.replace(a, data=a_data)
         b = dataclasses.replace(b, data=b_data)
         problem = dataclasses.replace(problem, m=a_data.shape[1])
-    return _run(problem, a, b, offs)
+    return _run(problem, a, b, offs, max_clusters)
+
+
+@functools.cache
+def pipeline_stages(config: Sm100GroupedConfig) -> int:
+    """Depth of the operand stage ring of a configuration (from the kernel's own `_setup`)."""
+    kern = Sm100GroupedBlockScaledGemm(config)
+    found = []
+
+    @cute.jit
+    def probe():  # traced only: the stage count is a static function of the configuration
+        kern._setup()
+        found.append(kern.num_ab_stage)
+
+    probe()
+    return found[0]
+
+
+def selfcheck_problems(config: Sm100GroupedConfig):
+    """The first-use check of a compiled configuration: its N, K and output dtype, group sizes
+    that select the same CTA mode, and a grid cap that makes every cluster wrap the stage ring
+    and both accumulator stages (`moe_mxfp8.selfcheck.pipeline_problem`)."""
+    from moe_mxfp8 import selfcheck
+
+    prob = selfcheck.pipeline_problem(config.mode, config.n, config.k, config.out_dtype,
+                                      tile_m=config.mma_m, stages=pipeline_stages(config))
+    return (prob,)
+
+
+def _verified(name: str, kernel, problem: ggc.GroupedProblem) -> None:
+    """Run (once per compiled configuration and device) the first-use self-check."""
+    from moe_mxfp8 import selfcheck
+
+    cfg = select_config(problem)
+    selfcheck.ensure_verified(name, kernel, problem.device, mode=cfg.mode, config=cfg,
+                              problems=selfcheck_problems(cfg))
 
 
 def grouped_mm_m(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """M-grouped 2D x 3D MXFP8 GEMM on Blackwell: ``(M, K) x (E, N, K) -> (M, N)``."""
-    from moe_mxfp8 import selfcheck
-
-    selfcheck.ensure_verified("sm100.grouped_mm_m", _grouped_mm_m_unchecked, a.device)
+    _verified("sm100.grouped_mm_m", _grouped_mm_m_unchecked,
+              ggc.describe_m(a, b, offs, out_dtype))
     return _grouped_mm_m_unchecked(a, b, offs, out_dtype)
 
 
@@ -970,9 +1073,8 @@ def grouped_mm_k(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
 
     ``groups_aligned``: the caller guarantees 16-token aligned group starts (else the fp8 data
     is re-laid out first, as on sm90)."""
-    from moe_mxfp8 import selfcheck
-
-    selfcheck.ensure_verified("sm100.grouped_mm_k", _grouped_mm_k_unchecked, a.device)
+    _verified("sm100.grouped_mm_k", _grouped_mm_k_unchecked,
+              ggc.describe_k(a, b, offs, out_dtype))
     return _grouped_mm_k_unchecked(a, b, offs, out_dtype, groups_aligned)
 
 

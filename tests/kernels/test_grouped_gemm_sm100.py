@@ -5,17 +5,26 @@ No Blackwell GPU ran this kernel. CI checks what can be checked without one:
 * every variant compiles for sm_100a (fake pointers, in a subprocess with CUTE_DSL_ARCH set
   before CuTeDSL is imported) and its SASS holds the block-scaled MMA (UTCQMMA, .2CTA for the
   CTA-pair variant), the SMEM->TMEM scale copy (UTCCP), TMA loads/stores and no local memory
-  (LDL/STL: register spills or stack arrays);
+  (LDL/STL: register spills or stack arrays), and partial output tiles leave by 16-byte stores;
+* its PTX: every generic-proxy ``st.shared`` (the K-grouped tail zeroing, the epilogue
+  staging) carries the swizzle of the buffer's CuTeDSL layout, and the descriptor immediates
+  (instruction descriptor, scale-factor ids, TMEM columns, scale copy shape, smem descriptors,
+  transaction bytes, CTA-pair barrier masks) are the ones the PTX ISA derivation gives;
 * the packed-scale tile indices the kernel computes match `moe_mxfp8.layout` byte for byte,
   and the kernel's device-side schedule code, run on the host by a CuTeDSL host function,
   visits every output tile exactly once with the right origins, k-tile counts and scale tiles;
 * the dispatcher picks this kernel on compute capability 10.x;
-* the first-use self-check (`moe_mxfp8.selfcheck`) accepts a correct kernel, refuses a wrong
-  one with a clear error, caches its verdict, and guards both sm100 entry points.
+* the first-use self-check (`moe_mxfp8.selfcheck`) accepts a correct kernel, refuses a wrong,
+  hanging or faulting one with a clear error naming the configuration, caches its verdict per
+  compiled configuration, guards both sm100 entry points, and its problems make every cluster
+  wrap the stage ring and both accumulator stages (walked by the kernel's schedule code).
+
+The full GEMM is emulated from the kernel's index code in test_sm100_emulation.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -24,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -65,20 +75,24 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import glob, json, os, shutil, sys, time
     import torch
     sys.path.insert(0, {repo!r})
+    sys.path.insert(0, {here!r})
     from moe_mxfp8.kernels import grouped_gemm_sm100 as K
+    from sm100_emu import layout_swizzles
     out_dir, variants = sys.argv[1], json.loads(sys.argv[2])
-    times = {{}}
+    times, swizzles = {{}}, {{}}
     for name, mode, mma_m, n, k, dt in variants:
         cfg = K.Sm100GroupedConfig(mode, n, k, getattr(torch, dt), mma_m, 128)
         t = time.time()
-        K.compile_kernel(cfg, 148 // (2 if cfg.two_cta else 1))
+        K.compile_kernel(cfg)  # the persistent grid is a launch argument
         times[name] = round(time.time() - t, 2)
+        swizzles[name] = layout_swizzles(cfg)
         # cubin and PTX land in CUTE_DSL_DUMP_DIR under names that do not tell variants apart.
         os.makedirs(os.path.join(out_dir, name))
         for f in glob.glob(os.path.join(out_dir, "*.cubin")) + glob.glob(
                 os.path.join(out_dir, "*.ptx")):
             shutil.move(f, os.path.join(out_dir, name))
     print(json.dumps(times))
+    print(json.dumps(swizzles))
     """
 )
 
@@ -93,14 +107,14 @@ def sass(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm100_cubins")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", CUTE_DSL_DUMP_DIR=str(out),
                CUTE_DSL_KEEP="cubin,ptx")
-    script = _COMPILE_SCRIPT.format(repo=str(REPO))
+    script = _COMPILE_SCRIPT.format(repo=str(REPO), here=str(Path(__file__).parent))
     proc = subprocess.run(
         [sys.executable, "-c", script, str(out), json.dumps(VARIANTS)],
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, f"sm_100a compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    print("sm_100a compile seconds:", proc.stdout.strip().splitlines()[-1])
-    result = {}
+    print("sm_100a compile seconds:", proc.stdout.strip().splitlines()[-2])
+    result = {"swizzles": json.loads(proc.stdout.strip().splitlines()[-1])}
     for name, *_ in VARIANTS:
         cubins = glob.glob(str(out / name / "*.cubin"))
         assert len(cubins) == 1, f"{name}: expected one cubin, found {cubins}"
@@ -166,6 +180,169 @@ def test_sm100_sass_counts(sass):
 
 
 # ---------------------------------------------------------------------------------------------
+# static PTX checks: generic-proxy stores into swizzled buffers; descriptor facts
+# ---------------------------------------------------------------------------------------------
+
+# The first version's K-grouped tail zeroing as compiled (its byte view dropped the swizzle):
+# the address is base + 17408 (A buffer) + stage * 16384 + r * 128 + kb * 32 + c, no XOR.
+_UNSWIZZLED_TAIL_PTX = """
+	cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r13+17408], [%rd23, {%r12, %r8}], [%r11];
+	cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r13+115712], [%rd25, {%r12, %r7}], [%r11];
+	cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r14+214016], [%rd27, {%r122, %r121}], [%r11];
+	cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r14+217088], [%rd29, {%r126, %r125}], [%r11];
+	shl.b32 	%r229, %r445, 14;
+	add.s32 	%r44, %r229, %r42;
+	shl.b32 	%r230, %r440, 7;
+	add.s32 	%r45, %r230, %r44;
+	add.s32 	%r231, %r45, %r441;
+	add.s32 	%r232, %r4, %r231;
+	st.shared.b8 	[%r232+17408], 0;
+	cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%rd65, {%r486, %r60, %r506}], [%r438+1024];
+"""  # noqa: E501
+
+
+def _check_shared_stores(ptx: str, swizzles) -> list[str]:
+    """Problems with the generic-proxy shared stores of one kernel's PTX: each must write a
+    known buffer (operands A/B or the output staging C; never the scale buffers, which the
+    MMA reads through unswizzled descriptors) and carry that buffer's swizzle."""
+    from sm100_ptx import shared_stores, swizzle_signature
+
+    want = {"a": swizzle_signature(swizzles[0]), "b": swizzle_signature(swizzles[1]),
+            "c": swizzle_signature(swizzles[2])}
+    problems = []
+    for line, op, buf, swz in shared_stores(ptx):
+        if buf not in want:
+            problems.append(f"line {line}: {op} into {buf or 'an unidentified buffer'}")
+        elif swz != want[buf]:
+            problems.append(f"line {line}: {op} into {buf} carries swizzle {swz}, the layout "
+                            f"has {want[buf]}")
+    return problems
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_sm100_ptx_shared_stores_carry_the_swizzle(sass, variant):
+    """Every generic-proxy ``st.shared`` into an operand stage (the K-grouped tail zeroing) or
+    the output staging buffer computes its address with the swizzle of the buffer's CuTeDSL
+    layout (the TMA and the MMA descriptors use the same swizzle, so any other addressing
+    writes bytes the MMA reads for other elements)."""
+    name = variant[0]
+    swz = sass["swizzles"][name]
+    assert _check_shared_stores(sass[name + ".ptx"], swz) == []
+    from sm100_ptx import shared_stores
+
+    stores = shared_stores(sass[name + ".ptx"])
+    operand = [s for s in stores if s[2] in ("a", "b")]
+    # K-grouped: the tail zeroing of A and of B; M-grouped: no generic store to operands.
+    assert len(operand) == (2 if variant[1] == "k" else 0), operand
+    # The check itself fails on the first version's unswizzled tail zeroing.
+    bad = _check_shared_stores(_UNSWIZZLED_TAIL_PTX, swz)
+    assert len(bad) == 1 and "into a carries swizzle None" in bad[0], bad
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_sm100_partial_tile_stores_are_16_bytes(sass, variant):
+    """M-grouped partial tiles leave by 16-byte vector stores (a thread's 32-column subtile row:
+    64 B in bf16 = 4 stores, 128 B in fp32 = 8); K-grouped tiles all leave by TMA."""
+    name, mode, dt = variant[0], variant[1], variant[5]
+    stores = re.findall(r"\bst\.global\.[\w.]+", sass[name + ".ptx"])
+    if mode == "k":
+        assert stores == [], stores
+    else:
+        per_subtile = 32 * (2 if dt == "bfloat16" else 4) // 16
+        assert len(stores) == per_subtile, stores
+        assert set(stores) <= {"st.global.v4.b32", "st.global.v2.b64", "st.global.v4.f32"}
+        stg = [op for op in _opcodes(sass[name]) if op.startswith("STG")]
+        assert stg and all(op.split(".")[1] == "E" and op.endswith("128") for op in stg), stg
+
+
+def _u32(x: int) -> int:
+    return x & 0xFFFFFFFF
+
+
+def _s32(x: int) -> int:
+    x = _u32(x)
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_sm100_ptx_descriptor_facts(sass, variant):
+    """The descriptor immediates of the compiled PTX, each derived from the PTX ISA."""
+    name, mma_m = variant[0], variant[2]
+    ptx = sass[name + ".ptx"]
+    two = mma_m == 256
+    group = 2 if two else 1
+    mma_n = 128
+
+    # Instruction descriptor, PTX ISA "Instruction descriptor format for .kind::mxf8f6f4":
+    # bits 0-1 reserved, 2 dense (0), 4-5 B scale-factor id (runtime), 7-9 / 10-12 atype /
+    # btype E4M3 = 0, 13 / 14 negate A / B (runtime MMA fields, off), 15 / 16 transpose A / B
+    # (K-major: 0), 17-22 N >> 3, 23 scale type UE8M0 = 1, 27-28 M >> 7, 29-30 A scale-factor
+    # id (runtime). The compiler selects between idesc and idesc | negate-A.
+    idesc = ((mma_n >> 3) << 17) | (1 << 23) | ((mma_m >> 7) << 27)
+    assert idesc == (0x08A00000 if not two else 0x10A00000)
+    pairs = re.findall(r"selp\.b32\s+%r\d+, (-?\d+), (-?\d+), %p\d+;", ptx)
+    assert (str(_s32(idesc | 1 << 13)), str(_s32(idesc))) in pairs, "MMA instruction descriptor"
+    assert (str(1 << 14), "0") in pairs, "negate-B field"
+    n_mma = len(re.findall(r"tcgen05\.mma\.", ptx))
+    assert n_mma == 4, n_mma  # one per 32-wide k-block of a 128-wide k-tile
+
+    # Scale-factor ids: the DSL carries k-block kb's scale column byte in bits 30-31 of the
+    # TMEM scale address; the idesc takes it at bits 29-30 (A: address >> 1, mask 0x60000000)
+    # and bits 4-5 (B: address >> 26, mask 0x30).
+    assert re.search(r"and\.b32\s+%r\d+, %r\d+, 1610612736;", ptx), "A scale-factor id field"
+    assert re.search(r"shr\.u32\s+%r\d+, %r\d+, 26;", ptx) and re.search(
+        r"and\.b32\s+%r\d+, %r\d+, 48;", ptx), "B scale-factor id field"
+
+    # TMEM columns: accumulators 2 stages x 128 columns (fp32, one lane per row), then SFA,
+    # then SFB. tcgen05.cp .32x128b.warpx4 copies 32 lanes x 128 bits (one 512-byte packed
+    # tile: lane r % 32 holds the 16 bytes of rows r, r + 32, r + 64, r + 96 x 4 blocks) into
+    # all four 32-lane quadrants (block scaling needs the scales in every lane quadrant), so a
+    # tile takes 4 columns; 16 are reserved per 128 rows (the DSL's SF layout).
+    acc_cols = 2 * mma_n
+    sfa_col = acc_cols
+    sfb_col = acc_cols + 16 * (mma_m // group // 128)
+    adds = {int(v) for v in re.findall(r"add\.s32\s+%r\d+, %r\d+, (-?\d+);", ptx)}
+    for kb in range(4):  # column, plus the k-block's scale byte in address bits 30-31
+        assert _s32(sfa_col + (kb << 30)) in adds, ("SFA TMEM address", kb)
+        assert _s32(sfb_col + (kb << 30)) in adds, ("SFB TMEM address", kb)
+    cps = re.findall(r"tcgen05\.cp\.[\w:.]+", ptx)
+    assert cps == [f"tcgen05.cp.cta_group::{group}.32x128b.warpx4"] * 2, cps
+
+    # Shared-memory matrix descriptors (PTX ISA "Shared memory descriptor"): bits 16-29 LBO
+    # >> 4, 32-45 SBO >> 4, 46-48 fixed 0b001, 61-63 swizzle mode (2 = 128-byte swizzle).
+    # Operands (K-major, 128-byte swizzle): LBO unused (1), SBO = 8 rows x 128 B = 1024.
+    # Scales (no swizzle): LBO 16 B, SBO = 128 B between the 8-row groups of the 32x128b copy.
+    def sdesc(lbo, sbo, swz):
+        return ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 46) | (swz << 61)
+
+    ors = {int(v) for v in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (-?\d+);", ptx)}
+    assert sdesc(16, 1024, 2) in ors, "operand smem descriptor"
+    assert sdesc(16, 128, 0) in ors, "scale smem descriptor"
+
+    # Transaction bytes per stage (mbarrier expect_tx, on the leader CTA for a pair): per CTA
+    # A 128 x 128 + B (128 / CTAs) x 128 fp8 bytes + one 512-byte SFA tile + one SFB tile.
+    per_cta = 128 * 128 + (mma_n // group) * 128 + 2 * 512
+    tx = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s*\n\s*mbarrier\.arrive\.expect_tx", ptx)
+    assert [int(v) for _, v in tx] == [per_cta * group], tx
+
+    commits = re.findall(r"tcgen05\.commit\.[\w:.]+", ptx)
+    if two:
+        # Pair: TMA copies complete on the leader CTA's barrier (shared::cluster address with
+        # the peer-CTA bit 24 cleared; low 3 bits cleared, 8-byte mbarrier): mask 0xFEFFFFF8.
+        assert re.search(rf"and\.b32\s+%r\d+, %r\d+, {_s32(0xFEFFFFF8)};", ptx)
+        # MMA completion is multicast to the barriers of both CTAs (cta mask 0b11): the
+        # accumulator-full commit with an immediate mask, the stage-free commit with
+        # (1 << rank) | (1 << (rank ^ 1)).
+        assert commits == ["tcgen05.commit.cta_group::2.mbarrier::arrive::one.shared::"
+                           "cluster.multicast::cluster.b64"] * 2, commits
+        assert re.search(r"mov\.b16\s+%rs\d+, 3;\s*\n\s*tcgen05\.commit", ptx)
+        assert re.search(r"xor\.b32\s+%r\d+, %r\d+, 1;", ptx)
+    else:
+        assert commits == ["tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::"
+                           "cluster.b64"] * 2, commits
+
+
+# ---------------------------------------------------------------------------------------------
 # host logic (no compile)
 # ---------------------------------------------------------------------------------------------
 
@@ -174,8 +351,12 @@ def test_sm100_sass_counts(sass):
 def K():
     pytest.importorskip("cutlass")
     from moe_mxfp8.kernels import grouped_gemm_sm100
+    from sm100_emu import sm100_target
 
-    return grouped_gemm_sm100
+    # Host functions that build the kernel's tcgen05 layouts (stage count, check problems)
+    # need the sm_100a target even where another GPU is present.
+    with sm100_target():
+        yield grouped_gemm_sm100
 
 
 def _m_offsets(sizes, n, k):
@@ -249,11 +430,12 @@ def _walk(K, mode, sizes, n, k, mma_m, clusters):
     kern = K.Sm100GroupedBlockScaledGemm(K.Sm100GroupedConfig(mode, n, k, torch.bfloat16,
                                                               mma_m, 128))
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    rec = torch.full((2048, len(_WALK_COLS)), -1, dtype=torch.int32)
+    rec = torch.full((16384, len(_WALK_COLS)), -1, dtype=torch.int32)
     count = torch.zeros(1, dtype=torch.int32)
 
     @cute.jit
     def walk(offs_t, rec_t, cnt, n_clusters):  # (annotations: see `from __future__`)
+        kern.num_tokens = Int32(offs_t[cute.size(offs_t) - 1])  # group ends clamp to it
         r = Int32(0)
         for c in cutlass.range(n_clusters, unroll=1):
             unit = c
@@ -275,6 +457,7 @@ def _walk(K, mode, sizes, n, k, mma_m, clusters):
         cnt[0] = r
 
     walk(from_dlpack(offs), from_dlpack(rec), from_dlpack(count), Int32(clusters))
+    assert int(count) < rec.shape[0]
     return [dict(zip(_WALK_COLS, row, strict=True)) for row in rec[: int(count)].tolist()]
 
 
@@ -435,8 +618,8 @@ def _fresh_verdicts():
 def _counting(fn):
     calls = []
 
-    def kernel(a, b, offs, out_dtype, *unused):  # (grouped_mm_k also passes groups_aligned)
-        calls.append(1)
+    def kernel(a, b, offs, out_dtype, *unused, **launch):  # (groups_aligned, max_clusters)
+        calls.append(launch)
         return fn(a, b, offs, out_dtype)
 
     return kernel, calls
@@ -542,6 +725,117 @@ def test_sm100_entry_points_are_guarded(K, monkeypatch, op):
     assert len(good_calls) == 2  # one check problem, then the call itself
 
 
+class _Never:
+    """A completion marker that never completes (a hung kernel)."""
+
+    def query(self):
+        return False
+
+
+class _Faulted:
+    """A completion marker whose query reports an asynchronous device fault."""
+
+    def query(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize("mode", ["m", "k"])
+def test_selfcheck_refuses_a_hang(mode):
+    """A kernel whose work never completes: the watchdog gives up after the timeout and the
+    check refuses, naming the problem (it does not wait forever)."""
+    kernel, calls = _counting(R.grouped_mm)
+    t0 = time.monotonic()
+    why = selfcheck.run_selfcheck(kernel, mode, "cpu", SMALL[mode], timeout_s=0.2,
+                                  fence=lambda dev: _Never())
+    assert time.monotonic() - t0 < 5
+    assert why is not None and "did not finish within 0.2 s" in why and "N=64" in why
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("mode", ["m", "k"])
+def test_selfcheck_refuses_a_device_fault(mode):
+    """An asynchronous fault surfacing while waiting is caught and reported as a refusal."""
+    kernel, _ = _counting(R.grouped_mm)
+    why = selfcheck.run_selfcheck(kernel, mode, "cpu", SMALL[mode], timeout_s=5,
+                                  fence=lambda dev: _Faulted())
+    assert why is not None and "device fault" in why and "illegal memory access" in why
+
+
+def test_ensure_verified_names_the_configuration_of_a_fault():
+    kernel, _ = _counting(R.grouped_mm)
+    cfg = ("k", 64, 32, "float32", "1cta")
+    with pytest.raises(selfcheck.KernelSelfCheckError) as err:
+        selfcheck.ensure_verified("test.op_k", kernel, "cpu", problems=SMALL["k"], config=cfg,
+                                  fence=lambda dev: _Faulted())
+    assert str(cfg) in str(err.value) and "device fault" in str(err.value)
+    assert selfcheck.verdict("test.op_k", "cpu", cfg) not in (None, False)
+
+
+def test_verdict_is_keyed_on_the_compiled_configuration():
+    """Each compiled configuration is checked once; a failure of one does not condemn another,
+    and a passing one does not vouch for another."""
+    good, good_calls = _counting(R.grouped_mm)
+    bad, bad_calls = _counting(_scaled)
+    cfg_a, cfg_b = ("m", 64, 96, "bf16"), ("m", 64, 128, "bf16")
+    selfcheck.ensure_verified("test.op_m", good, "cpu", problems=SMALL["m"], config=cfg_a)
+    selfcheck.ensure_verified("test.op_m", good, "cpu", problems=SMALL["m"], config=cfg_a)
+    assert len(good_calls) == 1
+    with pytest.raises(selfcheck.KernelSelfCheckError, match="compiled for"):
+        selfcheck.ensure_verified("test.op_m", bad, "cpu", problems=SMALL["m"], config=cfg_b)
+    assert len(bad_calls) == 1
+    assert selfcheck.verdict("test.op_m", "cpu", cfg_a) is None
+    assert selfcheck.verdict("test.op_m", "cpu", cfg_b) not in (None, False)
+
+
+def test_selfcheck_passes_the_grid_cap():
+    kernel, calls = _counting(R.grouped_mm)
+    prob = dataclasses.replace(SMALL["m"][0], max_clusters=3)
+    assert selfcheck.run_selfcheck(kernel, "m", "cpu", (prob,)) is None
+    assert calls == [{"max_clusters": 3}]
+
+
+# Every compiled configuration kind: mode, CTA mode, output dtype; N/K small and dsv3-sized.
+_CHECK_CONFIGS = [
+    ("m", 128, 160, 288, torch.bfloat16), ("m", 128, 4096, 7168, torch.float32),
+    ("m", 256, 96, 160, torch.float32), ("m", 256, 7168, 2048, torch.bfloat16),
+    ("k", 128, 160, 96, torch.bfloat16), ("k", 128, 4096, 7168, torch.float32),
+    ("m", 128, 128, 128, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("mode,mma_m,n,k,dt", _CHECK_CONFIGS)
+def test_selfcheck_problems_wrap_the_pipeline(K, mode, mma_m, n, k, dt):
+    """The check problem of a configuration selects that configuration, has an empty group
+    and partial tiles, and -- walked by the kernel's own schedule code with its grid cap --
+    gives every cluster >= 3 tiles (both accumulator stages wrap) and more k-tiles than ring
+    stages (every stage barrier flips phase)."""
+    from moe_mxfp8.kernels import grouped_gemm_common as ggc
+
+    cfg = K.Sm100GroupedConfig(mode, n, k, dt, mma_m, 128)
+    (prob,) = K.selfcheck_problems(cfg)
+    stages = K.pipeline_stages(cfg)
+    assert 3 <= stages <= 12
+    m = sum(prob.sizes)
+    p = ggc.GroupedProblem(mode, m, n, k, len(prob.sizes), dt, 1, torch.device("cpu"))
+    assert K.select_config(p) == cfg
+    assert K.Sm100GroupedBlockScaledGemm(cfg).can_implement(
+        dataclasses.replace(p, m=ggc.k_aligned_extent(m, len(prob.sizes))) if mode == "k"
+        else p)[0]
+    assert 0 in prob.sizes and any(s % 128 for s in prob.sizes)
+    sizes = prob.sizes if mode == "m" else tuple(-(-s // 16) * 16 for s in prob.sizes)
+    walk = _walk(K, mode, sizes, n, k, mma_m, prob.max_clusters)
+    per = {}
+    for r in walk:
+        if r["v"] == 0:
+            units, kts = per.get(r["cluster"], (0, 0))
+            per[r["cluster"]] = (units + 1, kts + r["k_tiles"])
+    assert len(per) == prob.max_clusters, (per, prob)
+    for units, kts in per.values():
+        assert units >= 3 and kts > stages, (units, kts, stages, prob)
+    # Cost: the kernel's FLOPs (the fp32 reference does the same again); < 50 GFLOP at dsv3.
+    assert prob.flops() < 50e9, prob.flops()
+
+
 # ---------------------------------------------------------------------------------------------
 # Blackwell GPU (skipped everywhere else; no Blackwell GPU has run these yet)
 # ---------------------------------------------------------------------------------------------
@@ -581,3 +875,18 @@ def test_sm100_grouped_mm_matches_reference(K, mode, out_dtype, m, n, k, e):
 def test_sm100_selfcheck_passes_on_device(K, op):
     selfcheck.ensure_verified(f"sm100.{op}", getattr(K, f"_{op}_unchecked"), "cuda")
     assert selfcheck.verdict(f"sm100.{op}", "cuda") is None
+
+
+@pytest.mark.gpu
+@blackwell
+@pytest.mark.parametrize("mode,mma_m,n,k,dt", _CHECK_CONFIGS)
+def test_sm100_pipeline_selfcheck_passes_on_device(K, mode, mma_m, n, k, dt):
+    """The strengthened check (capped grid: ring and accumulator stages wrap) per configuration,
+    timed: its cost per configuration is printed for docs/NOTES.md."""
+    cfg = K.Sm100GroupedConfig(mode, n, k, dt, mma_m, 128)
+    fn = K._grouped_mm_m_unchecked if mode == "m" else K._grouped_mm_k_unchecked
+    t0 = time.perf_counter()
+    selfcheck.ensure_verified(f"sm100.grouped_mm_{mode}", fn, "cuda", mode=mode, config=cfg,
+                              problems=K.selfcheck_problems(cfg))
+    print(f"self-check {cfg}: {time.perf_counter() - t0:.3f} s (incl. compile)")
+    assert selfcheck.verdict(f"sm100.grouped_mm_{mode}", "cuda", cfg) is None
