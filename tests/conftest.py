@@ -1,5 +1,14 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """The suite's compiled kernels go to a cache of its own (never the user's ~/.cache); a cache
+    directory given in the environment is kept (the device scripts time the cache on purpose)."""
+    os.environ.setdefault("MOE_MXFP8_CACHE_DIR", tempfile.mkdtemp(prefix="moe_mxfp8-test-cache-"))
 
 
 def pytest_collection_modifyitems(config, items):
