@@ -6,7 +6,11 @@
 Writes to ``--out``: ``bf16/`` and ``mxfp8/`` (each run's log.csv, checkpoint), ``loss.csv``
 (both curves side by side), ``loss.png`` (train and validation curves and their relative
 difference), ``summary.json``; prints one verdict line. Exit code 0 on PASS, 1 on FAIL, 2 when the
-plot cannot be drawn (matplotlib missing; the CSV and summary are written first).
+plot cannot be drawn (matplotlib missing; the CSV and summary are written first), 130 on Ctrl-C.
+
+An ``--out`` holding an earlier comparison is refused unless ``--resume`` (continue it: finished
+runs are kept, an interrupted one continues from its checkpoint) or ``--overwrite`` (delete it).
+Ctrl-C finishes the current step, checkpoints it and prints the command that continues.
 
 Criteria (relative difference ``r = (mxfp8 - bf16) / bf16``):
 
@@ -42,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from moe_mxfp8.backend import BACKENDS
+
 from . import train as T
 
 PRECISIONS = ("bf16", "mxfp8")
@@ -53,31 +59,47 @@ LOSS_FIELDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = T.Parser(
         prog="python -m train_example.parity",
         description="Train BF16 and MXFP8 from the same seed and data; compare loss curves.",
     )
+    pos, nonneg = T.int_at_least(1), T.int_at_least(0)
     p.add_argument("--preset", choices=sorted(T.TRAIN_PRESETS), default="cpu-tiny")
-    p.add_argument("--steps", type=int, default=None, help="default: the preset's")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=pos, default=None, help="default: the preset's")
+    p.add_argument("--device", type=T.device_arg, default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue an interrupted comparison in OUT (runs already finished "
+                           "are kept)")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="delete the comparison already in OUT and start over; without "
+                           "--resume or --overwrite an existing one is refused")
+    p.add_argument("--seed", type=nonneg, default=0)
     p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default=None,
                    help="MXFP8 run's weight-gradient GEMMs (default mxfp8)")
     p.add_argument("--weight-blocks", choices=("1x32", "32x32"), default=None,
                    help="MXFP8 run's expert weight scale blocks (default 1x32)")
-    p.add_argument("--backend", default=None,
+    p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
-    p.add_argument("--eval-every", type=int, default=None)
-    p.add_argument("--final-tol", type=float, default=0.01)
-    p.add_argument("--curve-tol", type=float, default=0.03)
-    p.add_argument("--ema-beta", type=float, default=0.9)
-    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--eval-every", type=pos, default=None)
+    p.add_argument("--final-tol", type=T.float_in(0.0), default=0.01)
+    p.add_argument("--curve-tol", type=T.float_in(0.0), default=0.03)
+    p.add_argument("--ema-beta", type=T.float_in(0.0, 1.0, lo_open=False), default=0.9)
+    p.add_argument("--log-every", type=pos, default=20)
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--bf16-repeat", type=int, default=0,
+    p.add_argument("--bf16-repeat", type=nonneg, default=0,
                    help="train BF16 this many more times (same seed) to measure its run-to-run "
                         "noise; the verdict then allows that much difference")
     return p
+
+
+def existing_outputs(out: Path) -> list[Path]:
+    """What an earlier comparison left in ``out``."""
+    if not out.is_dir():
+        return []
+    fixed = [out / n for n in (*PRECISIONS, "loss.csv", "loss.png", "summary.json")]
+    return [p for p in fixed if p.exists()] + sorted(out.glob("bf16_repeat*"))
 
 
 def ema(values: list[float], beta: float) -> list[float]:
@@ -147,27 +169,37 @@ def write_loss_csv(path: Path, rows: list[dict]) -> None:
             w.writerow({k: ("" if r[k] is None else r[k]) for k in LOSS_FIELDS})
 
 
-def plot(path: Path, rows: list[dict], verdict: dict, title: str) -> None:
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise RuntimeError(
-            "the parity plot needs matplotlib, which is not installed: "
-            "pip install matplotlib (or pip install -e '.[test]')"
-        ) from e
+PLOT_HINT = ("the parity plot needs matplotlib, which is not installed: pip install '.[plot]' "
+             "in the repository (or pip install matplotlib)")
+# Both curves must stay visible where they overlap (they mostly do): MXFP8 is drawn first, solid
+# and wide; BF16 on top of it, dashed and narrower, so MXFP8 shows through BF16's gaps.
+CURVE_STYLE = {
+    "mxfp8": {"color": "tab:red", "ls": "-", "lw": 2.2, "alpha": 0.85, "zorder": 2},
+    "bf16": {"color": "tab:blue", "ls": "--", "lw": 1.3, "alpha": 1.0, "zorder": 3},
+}
+MARKERS = {"mxfp8": "o", "bf16": "x"}
+DRAW_ORDER = ("mxfp8", "bf16")  # later on top
+
+
+def figure(rows: list[dict], verdict: dict, title: str):
+    """The parity figure: train curves (raw and EMA), validation curves, relative difference."""
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
     vrows = [r for r in rows if r["bf16_val"] is not None]
     vsteps = [r["step"] for r in vrows]
-    colors = {"bf16": "tab:blue", "mxfp8": "tab:red"}
     fig, (ax_t, ax_v, ax_d) = plt.subplots(3, 1, figsize=(9, 11), sharex=True)
-    for p in PRECISIONS:
-        ax_t.plot(steps, [r[f"{p}_train"] for r in rows], color=colors[p], alpha=0.25, lw=0.8)
-        ax_t.plot(steps, [r[f"{p}_train_ema"] for r in rows], color=colors[p],
+    for p in DRAW_ORDER:
+        st = CURVE_STYLE[p]
+        ax_t.plot(steps, [r[f"{p}_train"] for r in rows], color=st["color"], alpha=0.2, lw=0.7,
+                  zorder=1)
+        ax_t.plot(steps, [r[f"{p}_train_ema"] for r in rows], **st,
                   label=f"{p} (EMA {verdict['curve']['ema_beta']})")
-        ax_v.plot(vsteps, [r[f"{p}_val"] for r in vrows], color=colors[p], marker=".", label=p)
+        ax_v.plot(vsteps, [r[f"{p}_val"] for r in vrows], **st, marker=MARKERS[p], ms=4,
+                  label=p)
     ax_t.set_ylabel("train loss (nats/byte)")
     ax_t.set_title(title)
     ax_v.set_ylabel("validation loss (nats/byte)")
@@ -187,6 +219,18 @@ def plot(path: Path, rows: list[dict], verdict: dict, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(path: Path, rows: list[dict], verdict: dict, title: str) -> None:
+    """Write `figure` to ``path``; RuntimeError (`PLOT_HINT`) without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(PLOT_HINT) from e
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows, verdict, title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -205,10 +249,47 @@ def verdict_line(v: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        what = (f"interrupted after step {e.step}/{e.total} of {_current_run}, checkpoint saved"
+                if isinstance(e, T.Interrupted) else f"interrupted during {_current_run}")
+        print(f"{what}; continue with: {T.resume_command('train_example.parity', argv)}",
+              file=sys.stderr, flush=True)
+        return T.EXIT_INTERRUPTED
+
+
+_current_run = "setup"  # the run under way, for the Ctrl-C line
+
+
+def _train(common: list[str], precision: str, run_dir: Path, args, label: str) -> float:
+    """One training run of the comparison (continued with --resume); returns its wall time."""
+    global _current_run
+    _current_run = f"the {label.strip()} run"
+    if not args.quiet:
+        print(f"=== {label.strip()} -> {run_dir} ===", flush=True)
+    t = time.perf_counter()
+    T.run(common + ["--precision", precision, "--out", str(run_dir)]
+          + (["--resume"] if args.resume else []), label=label)
+    return time.perf_counter() - t
+
+
+def _main(argv: list[str]) -> int:
+    global _current_run
+    _current_run = "setup"
     args = build_parser().parse_args(argv)
     out = Path(args.out)
+    old = existing_outputs(out)
+    if old and not (args.resume or args.overwrite):
+        names = ", ".join(p.name for p in old)
+        raise SystemExit(f"error: {out} already holds a comparison ({names}): pass --resume "
+                         f"to continue it or --overwrite to start over")
+    if args.overwrite:
+        for path in old:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    common = ["--preset", args.preset, "--device", args.device, "--seed", str(args.seed),
+    common = ["--preset", args.preset, "--device", str(args.device), "--seed", str(args.seed),
               "--log-every", str(args.log_every)]
     for opt, val in (("--steps", args.steps), ("--backend", args.backend),
                      ("--eval-every", args.eval_every), ("--wgrad", args.wgrad),
@@ -221,20 +302,16 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     logs, wall = {}, {}
-    for p in PRECISIONS:
-        run_dir = out / p
-        shutil.rmtree(run_dir / T.CKPT_DIR, ignore_errors=True)  # always a fresh run
-        if not args.quiet:
-            print(f"=== {p} ===", flush=True)
-        t = time.perf_counter()
-        T.run(common + ["--precision", p, "--out", str(run_dir)])
-        wall[p] = time.perf_counter() - t
-        logs[p] = T.read_log(run_dir / "log.csv")
+    n_runs = len(PRECISIONS) + args.bf16_repeat
+    for i, p in enumerate(PRECISIONS, start=1):
+        wall[p] = _train(common, p, out / p, args, f"{p} ({i}/{n_runs}) ")
+        logs[p] = T.read_log(out / p / "log.csv")
     rows, verdict = compare(logs, tc.steps, tc.warmup_steps, args)
     if args.bf16_repeat > 0:
         verdict.update(bf16_noise(common, out, logs["bf16"], tc, args, verdict))
+    _current_run = "the comparison (both runs are complete)"
 
-    dev = torch.device(args.device)
+    dev = args.device
     device_name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                    else f"cpu ({platform.processor() or platform.machine()}, "
                         f"{torch.get_num_threads()} torch thread(s))")
@@ -249,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         "active_parameters": run_info["active_parameters"],
         "final_train_loss": {p: logs[p][-1]["train_loss"] for p in PRECISIONS},
         "final_val_loss": {p: logs[p][-1]["val_loss"] for p in PRECISIONS},
+        # With --resume, the time of this invocation only.
         "wall_time_s": {**wall, "total": time.perf_counter() - t0},
+        "resumed": bool(args.resume),
         "torch": torch.__version__, "python": platform.python_version(),
     }
     write_loss_csv(out / "loss.csv", rows)
@@ -276,12 +355,11 @@ def bf16_noise(common: list[str], out: Path, bf16_log: list[dict], tc, args,
     """Train BF16 ``args.bf16_repeat`` more times; the same criteria of each repeat against the
     first BF16 run are the noise floor. Returns ``bf16_noise`` and ``within_bf16_noise``."""
     finals, curves = [], []
+    n_runs = len(PRECISIONS) + args.bf16_repeat
     for i in range(1, args.bf16_repeat + 1):
         run_dir = out / f"bf16_repeat{i}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if not args.quiet:
-            print(f"=== bf16 repeat {i} ===", flush=True)
-        T.run(common + ["--precision", "bf16", "--out", str(run_dir)])
+        _train(common, "bf16", run_dir, args,
+               f"bf16 repeat {i} ({len(PRECISIONS) + i}/{n_runs}) ")
         _, v = compare({"bf16": bf16_log, "mxfp8": T.read_log(run_dir / "log.csv")},
                        tc.steps, tc.warmup_steps, args)
         finals.append(v["final"]["rel_diff"])

@@ -3,6 +3,9 @@
     python -m train_example.train --precision mxfp8 --steps 200 --device cpu --out runs/mx
     python -m train_example.train --precision mxfp8 --steps 200 --device cpu --out runs/mx --resume
 
+An ``--out`` that already holds a run is refused unless ``--resume`` or ``--overwrite`` is given.
+Ctrl-C finishes the current step, saves a checkpoint and prints the command that continues.
+
 Recipe: fp32 master weights, forward under BF16 autocast (see `train_example.model`), AdamW
 (betas 0.9/0.95, weight decay on matrices only), linear warm-up then cosine decay to
 ``min_lr_ratio * lr``, gradient clipping by global norm. The learning rate is a pure function of
@@ -22,12 +25,18 @@ import csv
 import json
 import math
 import os
+import shlex
+import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from moe_mxfp8.backend import BACKENDS
 
 from . import data as D
 from .model import MoETransformer, lm_loss, model_config
@@ -36,6 +45,10 @@ CSV_FIELDS = ("step", "train_loss", "val_loss", "tokens_per_s", "lr", "aux_loss"
 CKPT_DIR = "checkpoint"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
+# What a run writes into --out: an --out holding any of these is an existing run, which only
+# --resume (continue it) or --overwrite (delete these, start over) may touch.
+RUN_FILES = ("log.csv", "run.json", CKPT_DIR)
+EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT
 
 
 @dataclass(frozen=True)
@@ -64,8 +77,10 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     # Peak LR 1e-3 (not 2e-3): at 2e-3 the two precisions' final validation losses differed by
     # 0.9-1.3% on seeds 0 and 1 (batch 8 and 16, both signs, run-to-run-sized), at 1e-3 by
     # -0.19% (seed 0) and +0.47% (seed 1). See train_example/README.md, "Measured".
-    "cpu-tiny": TrainConfig(steps=200, batch_size=16, seq_len=128, lr=1e-3, warmup_steps=30,
-                            eval_every=10, eval_batches=8, max_train_bytes=4_000_000,
+    # 150 steps and 4 validation batches (200 and 8 before): README's main job in a few minutes
+    # on 2 cores (measured in train_example/README.md).
+    "cpu-tiny": TrainConfig(steps=150, batch_size=16, seq_len=128, lr=1e-3, warmup_steps=20,
+                            eval_every=10, eval_batches=4, max_train_bytes=4_000_000,
                             max_val_bytes=400_000),
     "gpu": TrainConfig(steps=1000, batch_size=16, seq_len=1024, lr=6e-4, warmup_steps=100,
                        eval_every=25, eval_batches=8, max_train_bytes=64_000_000,
@@ -85,33 +100,97 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return floor + 0.5 * (tc.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
+def int_at_least(lo: int):
+    """argparse ``type=``: an int >= ``lo`` (a bad value is argparse's one-line usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def float_in(lo: float, hi: float = math.inf, *, lo_open: bool = True, hi_open: bool = True):
+    """argparse ``type=``: a finite float in the interval (``lo``, ``hi``) (ends per flags)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        below = v <= lo if lo_open else v < lo
+        above = v >= hi if hi_open else v > hi
+        if not math.isfinite(v) or below or above:
+            lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
+            raise argparse.ArgumentTypeError(f"must be in {lb}{lo:g}, {hi:g}{rb}, got {text}")
+        return v
+
+    return parse
+
+
+def device_arg(text: str) -> torch.device:
+    """argparse ``type=``: ``cpu`` or ``cuda[:N]`` of a GPU that exists."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("no CUDA GPU is visible to torch; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse's own repeats the whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m train_example.train",
         description="Train the MXFP8MoE byte-level LM on the Python stdlib source.",
     )
+    pos, nonneg = int_at_least(1), int_at_least(0)
     p.add_argument("--precision", choices=("mxfp8", "bf16"), default="mxfp8")
     p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), default="cpu-tiny")
-    p.add_argument("--steps", type=int, default=None, help="default: the preset's")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--steps", type=pos, default=None, help="default: the preset's")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default=None,
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the run in OUT from its checkpoint")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="delete the run already in OUT (log.csv, run.json, checkpoint/) and "
+                           "start over; without --resume or --overwrite an existing run is "
+                           "refused")
+    p.add_argument("--seed", type=nonneg, default=0)
+    p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
     p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default="mxfp8",
                    help="expert weight-gradient GEMMs in MXFP8 (default) or BF16 (mxfp8 only)")
     p.add_argument("--weight-blocks", choices=("1x32", "32x32"), default="1x32",
                    help="expert weight scale blocks of the MXFP8 GEMMs (mxfp8 only)")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--warmup-steps", type=int, default=None)
-    p.add_argument("--eval-every", type=int, default=None)
-    p.add_argument("--ckpt-every", type=int, default=None,
-                   help="checkpoint interval in steps (default: at every evaluation)")
-    p.add_argument("--log-every", type=int, default=10, help="progress line interval")
-    p.add_argument("--stop-after", type=int, default=None,
+    p.add_argument("--batch-size", type=pos, default=None)
+    p.add_argument("--seq-len", type=pos, default=None)
+    p.add_argument("--lr", type=float_in(0.0), default=None)
+    p.add_argument("--warmup-steps", type=nonneg, default=None)
+    p.add_argument("--eval-every", type=pos, default=None)
+    p.add_argument("--ckpt-every", type=nonneg, default=None,
+                   help="checkpoint interval in steps (default, or 0: at every evaluation)")
+    p.add_argument("--log-every", type=pos, default=10, help="progress line interval")
+    p.add_argument("--stop-after", type=pos, default=None,
                    help="stop after this many steps (of --steps), as if interrupted; "
                         "the LR schedule still spans --steps")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -119,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The preset's `TrainConfig` with the command line's overrides (validated by the parser)."""
     tc = TRAIN_PRESETS[args.preset]
     over = {
         "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
@@ -130,8 +210,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         # Keep the preset's warm-up fraction when only the length changes.
         frac = TRAIN_PRESETS[args.preset].warmup_steps / TRAIN_PRESETS[args.preset].steps
         tc = replace(tc, warmup_steps=max(1, round(frac * tc.steps)))
-    if tc.steps < 1 or tc.eval_every < 1:
-        raise SystemExit("--steps and --eval-every must be >= 1")
+    if tc.seq_len + 1 >= min(tc.max_train_bytes, tc.max_val_bytes):
+        raise SystemExit(f"error: --seq-len {tc.seq_len} does not fit the preset's data "
+                         f"({min(tc.max_train_bytes, tc.max_val_bytes)} bytes)")
     return tc
 
 
@@ -148,30 +229,105 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-class Progress:
-    """A carriage-return progress line on a terminal, plain periodic lines otherwise."""
+def fmt_duration(seconds: float) -> str:
+    """``m:ss`` (``h:mm:ss`` from an hour on)."""
+    s = max(0, round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
 
-    def __init__(self, total: int, every: int, quiet: bool):
-        self.total, self.every, self.quiet = total, max(1, every), quiet
-        self.tty = sys.stdout.isatty()
+
+class Progress:
+    """A carriage-return progress line on a terminal, plain periodic lines otherwise.
+
+    Each line shows the step, train loss, latest validation loss, aux loss, LR, tokens/s
+    (averaged over the steps since the last line, evaluation excluded) and the time left for
+    this invocation's steps (from their average wall time so far, evaluation and checkpoints
+    included). A shorter line is padded with spaces over the longer one it replaces.
+    """
+
+    def __init__(self, total: int, start: int, end: int, every: int, quiet: bool,
+                 label: str = "", tty: bool | None = None):
+        self.total, self.start, self.end = total, start, end
+        self.every, self.quiet, self.label = max(1, every), quiet, label
+        self.tty = sys.stdout.isatty() if tty is None else tty
         self.seconds, self.tokens, self.val = 0.0, 0, None
+        self.t0 = time.perf_counter()
+        self.width = 0  # length of the carriage-return line on screen (0: none open)
 
     def update(self, row: dict, tokens: int) -> None:
-        """Show step, train loss, latest validation loss, aux loss, LR, tokens/s (averaged over
-        the steps since the last line, evaluation time excluded)."""
         self.tokens += tokens
         if row["val_loss"] is not None:
             self.val = row["val_loss"]
         step = row["step"]
-        if self.quiet or (step % self.every and step != self.total):
+        if self.quiet or (step % self.every and step != self.end):
             return
         tps = self.tokens / max(self.seconds, 1e-9)
         self.seconds, self.tokens = 0.0, 0
+        elapsed = time.perf_counter() - self.t0
+        if step < self.end:
+            left = elapsed / (step - self.start) * (self.end - step)
+            when = f"ETA {fmt_duration(left)}"
+        else:
+            when = f"took {fmt_duration(elapsed)}"
         val = "   -   " if self.val is None else f"{self.val:.4f}"
-        line = (f"step {step:>6}/{self.total}  loss {row['train_loss']:.4f}  val {val}  "
-                f"aux {row['aux_loss']:.4f}  lr {row['lr']:.2e}  {tps:,.0f} tok/s")
-        end = "\n" if not self.tty or step == self.total else ""
-        print(("\r" + line) if self.tty else line, end=end, flush=True)
+        line = (f"{self.label}step {step:>6}/{self.total}  loss {row['train_loss']:.4f}  "
+                f"val {val}  aux {row['aux_loss']:.4f}  lr {row['lr']:.2e}  "
+                f"{tps:,.0f} tok/s  {when}")
+        if not self.tty:
+            print(line, flush=True)
+            return
+        pad = " " * max(0, self.width - len(line))  # blank what a longer line left behind
+        self.width = len(line)
+        print("\r" + line + pad, end="", flush=True)
+        if step == self.end:
+            self.close()
+
+    def close(self) -> None:
+        """End an open carriage-return line (before other output, or at the end)."""
+        if self.width:
+            print(flush=True)
+            self.width = 0
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, after the current step finished and was checkpointed."""
+
+    def __init__(self, step: int, total: int):
+        super().__init__(f"interrupted after step {step}/{total}")
+        self.step, self.total = step, total
+
+
+class DeferInterrupt:
+    """While active (main thread only), a first Ctrl-C only sets `requested`: the training loop
+    finishes its step, saves a checkpoint and raises `Interrupted`, so nothing is lost. A
+    second Ctrl-C raises `KeyboardInterrupt` at once (the last checkpoint is then kept)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> DeferInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def resume_command(module: str, argv: list[str]) -> str:
+    """The command line that continues ``argv``'s run: ``--overwrite`` out, ``--resume`` in."""
+    args = [a for a in argv if a != "--overwrite"]
+    if "--resume" not in args:
+        args.append("--resume")
+    return f"python -m {module} {shlex.join(args)}"
 
 
 def _atomic(path: Path, write) -> None:
@@ -180,14 +336,29 @@ def _atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(out: Path, model, opt, step: int, settings: dict) -> None:
-    from safetensors.torch import save_model
+def save_model_file(model: torch.nn.Module, path: Path, metadata: dict[str, str]) -> None:
+    """The model's parameters as safetensors, with string ``metadata`` and (by
+    `moe_mxfp8.checkpoint`) every MXFP8MoE layer's configuration, checked on load."""
+    from moe_mxfp8 import checkpoint
 
+    # Like safetensors' save_model, the tied head's duplicate is dropped and recorded, so
+    # loading restores the tie.
+    checkpoint.save_file(model, path, metadata=metadata)
+
+
+def load_model_file(model: torch.nn.Module, path: Path) -> None:
+    """Load `save_model_file`'s file into ``model`` (strict: every parameter, nothing else, and
+    the same MXFP8MoE configuration)."""
+    from moe_mxfp8 import checkpoint
+
+    checkpoint.load_file(model, path, strict=True, device=next(model.parameters()).device)
+
+
+def save_checkpoint(out: Path, model, opt, step: int, settings: dict) -> None:
     ckpt = out / CKPT_DIR
     ckpt.mkdir(parents=True, exist_ok=True)
-    # save_model drops the tied head's duplicate and records it, so load_model restores the tie.
-    _atomic(ckpt / MODEL_FILE,
-            lambda p: save_model(model, str(p), metadata={"step": str(step)}))
+    meta = {"step": str(step), "settings": json.dumps(settings, sort_keys=True)}
+    _atomic(ckpt / MODEL_FILE, lambda p: save_model_file(model, p, meta))
     state = {
         "step": step,
         "optimizer": opt.state_dict(),
@@ -198,34 +369,106 @@ def save_checkpoint(out: Path, model, opt, step: int, settings: dict) -> None:
     _atomic(ckpt / STATE_FILE, lambda p: torch.save(state, p))
 
 
-def _comparable(settings: dict) -> dict:
-    train = {k: v for k, v in settings["train"].items() if k != "ckpt_every"}
-    return {**settings, "train": train}
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def settings_diff(saved: dict, now: dict) -> list[str]:
+    """The settings that differ, as ``"train.steps (checkpoint 200, now 400)"``. The checkpoint
+    interval may change between invocations; nothing else may."""
+    a, b = _flatten(saved), _flatten(now)
+    missing = "(absent)"
+    return [f"{k} (checkpoint {a.get(k, missing)!r}, now {b.get(k, missing)!r})"
+            for k in sorted(a.keys() | b.keys())
+            if k != "train.ckpt_every" and a.get(k, missing) != b.get(k, missing)]
+
+
+class CheckpointError(SystemExit):
+    """A checkpoint that cannot be resumed from: one line naming the file and what is wrong."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(f"error: cannot resume from {path}: {what} (start over with --overwrite "
+                         f"instead of --resume)")
+
+
+def _unreadable(path: Path, e: BaseException, kind: str) -> CheckpointError:
+    if path.stat().st_size == 0:
+        return CheckpointError(path, "the file is empty (0 bytes)")
+    detail = (str(e).strip().splitlines() or [""])[0][:200]
+    return CheckpointError(path, f"not a readable {kind} file, truncated or corrupted "
+                                 f"({type(e).__name__}: {detail})")
+
+
+def checkpoint_files(out: Path) -> list[Path]:
+    """The checkpoint files present in ``out``."""
+    return [p for p in (out / CKPT_DIR / MODEL_FILE, out / CKPT_DIR / STATE_FILE) if p.exists()]
 
 
 def load_checkpoint(out: Path, model, opt, settings: dict) -> int:
+    """Restore model, optimizer and RNG from ``out``'s checkpoint; return its step. Any problem
+    (a missing or corrupted file, other settings) is a one-line `SystemExit`."""
     from safetensors import safe_open
-    from safetensors.torch import load_model
 
     ckpt = out / CKPT_DIR
-    state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
-    # The checkpoint interval may change between invocations; nothing else may.
-    saved, settings = _comparable(state["settings"]), _comparable(settings)
-    diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    model_path, state_path = ckpt / MODEL_FILE, ckpt / STATE_FILE
+    for path in (model_path, state_path):
+        if not path.exists():
+            other = state_path if path == model_path else model_path
+            raise CheckpointError(path, f"the file is missing ({other.name} is there)")
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- whatever torch.load raises, one line
+        raise _unreadable(state_path, e, "torch.save") from None
+    keys = ("step", "optimizer", "rng_cpu", "rng_cuda", "settings")
+    if not isinstance(state, dict) or any(k not in state for k in keys):
+        raise CheckpointError(state_path, f"not a train_example state (needs keys {keys})")
+    diff = settings_diff(state["settings"], settings)
     if diff:
-        raise SystemExit(f"--resume: the checkpoint was made with other settings: {diff}")
-    with safe_open(str(ckpt / MODEL_FILE), framework="pt") as f:
-        model_step = int(f.metadata()["step"])
+        raise SystemExit(f"error: --resume: {ckpt} was made with other settings: "
+                         f"{'; '.join(diff)}. Resume with the same settings, or start over "
+                         f"with --overwrite")
+    try:
+        with safe_open(str(model_path), framework="pt") as f:
+            model_step = int((f.metadata() or {}).get("step", -1))
+    except Exception as e:  # noqa: BLE001 -- safetensors' header errors, one line
+        raise _unreadable(model_path, e, "safetensors") from None
     if model_step != state["step"]:
-        raise SystemExit(f"--resume: {ckpt} is inconsistent (model step {model_step}, "
-                         f"optimizer step {state['step']})")
-    missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=True,
-                                     device=str(next(model.parameters()).device))
-    opt.load_state_dict(state["optimizer"])
+        raise CheckpointError(ckpt, f"{MODEL_FILE} is of step {model_step} but {STATE_FILE} "
+                                    f"of step {state['step']}")
+    try:
+        load_model_file(model, model_path)
+    except ValueError as e:  # moe_mxfp8.checkpoint: another layer configuration
+        what = (str(e).splitlines() or [""])[0].removeprefix(f"checkpoint {model_path}: ")
+        raise CheckpointError(model_path, what) from None
+    except Exception as e:  # noqa: BLE001 -- missing/unexpected/mis-shaped tensors
+        raise _unreadable(model_path, e, "model") from None
+    try:
+        opt.load_state_dict(state["optimizer"])
+    except Exception as e:  # noqa: BLE001
+        raise _unreadable(state_path, e, "optimizer state") from None
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])
     return state["step"]
+
+
+def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an ``out`` that already holds a run unless asked to resume or overwrite it."""
+    present = [name for name in RUN_FILES if (out / name).exists()]
+    if present and not (resume or overwrite):
+        raise SystemExit(f"error: {out} already holds a run ({', '.join(present)}): pass "
+                         f"--resume to continue it or --overwrite to start over")
+    if overwrite:
+        for name in present:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def _fmt(x: float | None) -> str:
@@ -271,14 +514,21 @@ def evaluate(model, batches, device, autocast) -> float:
     return total / len(batches)
 
 
-def run(argv: list[str] | None = None) -> list[dict]:
-    """Train per the command line ``argv``; returns the log rows of this invocation's steps."""
+def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
+    """Train per the command line ``argv``; returns the log rows of this invocation's steps.
+
+    ``label`` prefixes the progress lines. Ctrl-C finishes the current step, saves a checkpoint
+    and raises `Interrupted` (see `DeferInterrupt`); bad arguments, an existing run without
+    --resume/--overwrite and unusable checkpoints are one-line `SystemExit` errors, raised
+    before anything in ``--out`` changes.
+    """
     args = build_parser().parse_args(argv)
     tc = train_config(args)
     device = torch.device(args.device)
     backend = args.backend or default_backend(device)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {out} is a file, not a directory")
     mc = model_config(args.preset, max_seq_len=max(tc.seq_len,
                                                    model_config(args.preset).max_seq_len))
     settings = {"precision": args.precision, "preset": args.preset, "seed": args.seed,
@@ -286,6 +536,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 "train": asdict(tc),
                 "model": mc.to_dict()}
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
+    prepare_out(out, args.resume, args.overwrite)
 
     t_start = time.perf_counter()
     text = D.load_stdlib_text(args.seed, tc.max_train_bytes, tc.max_val_bytes)
@@ -304,7 +555,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                             betas=(tc.beta1, tc.beta2), eps=1e-8)
 
     start = 0
-    if args.resume and (out / CKPT_DIR / STATE_FILE).exists():
+    if args.resume and checkpoint_files(out):
         start = load_checkpoint(out, model, opt, settings)
         log(f"resumed from {out / CKPT_DIR} at step {start}")
     elif args.resume:
@@ -319,44 +570,59 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
     ckpt_every = tc.ckpt_every or tc.eval_every
     end = tc.steps if args.stop_after is None else min(tc.steps, args.stop_after)
-    prog = Progress(tc.steps, args.log_every, args.quiet)
+    prog = Progress(tc.steps, start, end, args.log_every, args.quiet, label)
     rows = []
-    for step in range(start + 1, end + 1):  # `step` = optimizer steps done after this one
-        t0 = time.perf_counter()
-        lr = lr_at(step - 1, tc)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = D.train_batch(text, step - 1, tc.batch_size, tc.seq_len, args.seed)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast():
-            logits = model(x)
-        loss = lm_loss(logits, y)
-        aux = model.aux_loss
-        (loss + aux).backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_v, aux_v, gnorm_v = loss.item(), aux.item(), gnorm.item()
-        if not math.isfinite(loss_v):
-            raise FloatingPointError(f"non-finite loss {loss_v} at step {step}")
-        tokens, seconds = x.numel(), time.perf_counter() - t0
-        prog.seconds += seconds
-        row = {"step": step, "train_loss": loss_v, "val_loss": None,
-               "tokens_per_s": tokens / seconds, "lr": lr, "aux_loss": aux_v,
-               "grad_norm": gnorm_v}
-        if step % tc.eval_every == 0 or step == tc.steps:
-            row["val_loss"] = evaluate(model, val, device, autocast)
-        prog.update(row, tokens)
-        csv_log.append(row)
-        rows.append(row)
-        if step % ckpt_every == 0 or step == end:
-            save_checkpoint(out, model, opt, step, settings)
-    log(f"done: {end - start} steps in {time.perf_counter() - t_start:.1f} s; log {out}/log.csv")
+    with DeferInterrupt() as stop:
+        try:
+            for step in range(start + 1, end + 1):  # `step`: optimizer steps done after it
+                t0 = time.perf_counter()
+                lr = lr_at(step - 1, tc)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                x, y = D.train_batch(text, step - 1, tc.batch_size, tc.seq_len, args.seed)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast():
+                    logits = model(x)
+                loss = lm_loss(logits, y)
+                aux = model.aux_loss
+                (loss + aux).backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                loss_v, aux_v, gnorm_v = loss.item(), aux.item(), gnorm.item()
+                if not math.isfinite(loss_v):
+                    raise FloatingPointError(f"non-finite loss {loss_v} at step {step}")
+                tokens, seconds = x.numel(), time.perf_counter() - t0
+                prog.seconds += seconds
+                row = {"step": step, "train_loss": loss_v, "val_loss": None,
+                       "tokens_per_s": tokens / seconds, "lr": lr, "aux_loss": aux_v,
+                       "grad_norm": gnorm_v}
+                if step % tc.eval_every == 0 or step == tc.steps:
+                    row["val_loss"] = evaluate(model, val, device, autocast)
+                prog.update(row, tokens)
+                csv_log.append(row)
+                rows.append(row)
+                if step % ckpt_every == 0 or step == end or stop.requested:
+                    save_checkpoint(out, model, opt, step, settings)
+                if stop.requested:
+                    raise Interrupted(step, tc.steps)
+        finally:
+            prog.close()
+    log(f"done: {max(0, end - start)} steps in {time.perf_counter() - t_start:.1f} s; "
+        f"log {out}/log.csv")
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        run(argv)
+    except KeyboardInterrupt as e:
+        what = (f"interrupted after step {e.step}/{e.total}, checkpoint saved"
+                if isinstance(e, Interrupted) else "interrupted; the last checkpoint is kept")
+        print(f"{what}; continue with: {resume_command('train_example.train', argv)}",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 

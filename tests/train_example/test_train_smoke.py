@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # train_example is not installed; it runs from the checkout
+if str(ROOT) not in sys.path:  # from a checkout without `pip install`
     sys.path.insert(0, str(ROOT))
 
 from train_example import parity  # noqa: E402
