@@ -1,6 +1,6 @@
 """MXFP8 quantizer kernels (CuTeDSL): rowwise, columnwise, dual and expert weights.
 
-Bit-exact with `moe_mxfp8.reference` (``shared/docs/mxfp8-contract.md``); scales are written
+Bit-exact with `moe_mxfp8.reference` (``docs/numerics.md``); scales are written
 straight into the packed (tcgen05) layout, pad bytes included, so no memset is needed.
 
 **Arch genericity.** One source compiles for sm_90a and sm_100a: the kernels use only SIMT
@@ -9,18 +9,21 @@ memory, integer min/max and ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+, ``F2FP.SATF
 SASS). No TMA, wgmma or tcgen05; `target_arch` (``CUTE_DSL_ARCH``) only picks the cubin.
 
 **One tile kernel, four front ends.** Every CTA (256 threads) owns a 128-token x 128-feature
-tile of ``x (M, K)`` (``x`` row-major, tokens = rows). Grid: ``(ceil(K/128), virtual token
-tiles)``. A *virtual token tile* is a 128-row tile of the packed scale layout: with row groups
-(``offs``) each group's tiles start on a tile boundary (contract, "Grouped layouts"), so tile
-``t`` belongs to one group and covers up to 128 of its tokens; tiles past the last group only
-write zero pad bytes. Both grouped layouts (rows: tile ``t`` is packed row tile ``t``; K-groups:
-group g's packed matrix starts at ``Rp * 4 * T_g`` bytes, ``T_g`` = tiles before g) are indexed by
-the same ``t``, which is why one grid serves rowwise, columnwise and dual.
+tile of ``x (M, K)`` (``x`` row-major, tokens = rows). Grid: ``ceil(K/128) * virtual token
+tiles`` CTAs on one axis, feature tiles fastest. A *virtual token tile* is a 128-row tile of the
+packed scale layout: with row groups (``offs``) each group's tiles start on a tile boundary
+(contract, "Grouped layouts"), so tile ``t`` belongs to one group and covers up to 128 of its
+tokens; tiles past the last group only write zero pad bytes. Both grouped layouts (rows: tile
+``t`` is packed row tile ``t``; K-groups: group g's packed matrix starts at ``Rp * 4 * T_g``
+bytes, ``T_g`` = tiles before g) are indexed by the same ``t``, which is why one grid serves
+rowwise, columnwise and dual.
 
 * load: each thread issues 8 (16-bit input) or 16 (fp32) independent 16-byte loads; a warp reads
   512 contiguous bytes per instruction (no TMA: plain vector loads already run above the copy
   ceiling, benchmarks/RESULTS.md "Quantizers"). Rows past the group end / features past K load
-  as 0, which makes their scale byte 0 -- exactly the pad bytes the layout wants.
+  as 0, which makes their scale byte 0 -- exactly the pad bytes the layout wants. A columnwise
+  K that is not a multiple of the vector (rows not 16-byte aligned) loads element by element.
+  Every global offset is 64-bit (tensors of 2^31 elements and more); extents are int32.
 * rowwise (from registers): a 32-element block spans 4 lanes (16-bit) or 8 lanes (fp32); the
   block amax is the integer max of the fp32 ``|x|`` bit patterns, finished with ``shfl.bfly``.
 * columnwise (through shared memory): the tile is stored row-major; a thread reads one 32-bit
@@ -53,6 +56,7 @@ from cutlass.cute.typing import AddressSpace
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from moe_mxfp8 import layout as L
+from moe_mxfp8.checks import KERNEL_INPUT_ALIGN, MAX_EXTENT
 from moe_mxfp8.mx_tensor import MXFP8Tensor
 from moe_mxfp8.reference import (  # noqa: F401  (the pure-PyTorch definitions of these kernels)
     quantize_colwise_ref,
@@ -113,6 +117,17 @@ def ld_global_b32(addr, pred, default: int, *, loc=None, ip=None):
         T.i32(), [Int64(addr), Int32(pred)],
         "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n"
         f"mov.b32 $0, {default};\n@p ld.global.nc.b32 $0, [$1];\n}}",
+        "=r,l,r", False, loc, ip,
+    ))
+
+
+@dsl_user_op
+def ld_global_u16(addr, pred, *, loc=None, ip=None):
+    """One 16-bit element from read-only global memory, zero-extended (0 where ``pred`` is 0)."""
+    return Int32(_asm(
+        T.i32(), [Int64(addr), Int32(pred)],
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n"
+        "mov.b32 $0, 0;\n@p ld.global.nc.u16 $0, [$1];\n}",
         "=r,l,r", False, loc, ip,
     ))
 
@@ -247,7 +262,8 @@ def inv_scale_from_byte(byte):
 class QuantConfig:
     """Static configuration of one compiled quantizer (the compile-cache key with the arch).
 
-    dtype: input dtype name; rounding: "rceil" | "floor"; k: features (static, % 32 == 0);
+    dtype: input dtype name; rounding: "rceil" | "floor"; k: features (static; % 32 == 0
+    whenever blocks run along it: rows or 32x32 blocks; any k >= 1 for the columnwise output);
     rows / cols: write the rowwise / columnwise output; grouping: "none" | "offs" (row groups
     from device ``offs``) | "uniform" (groups of ``group_rows`` tokens: experts);
     col_layout: "concat" (``x.T`` as ``(K, M)``) | "experts" (``(E, K, N)``);
@@ -283,6 +299,9 @@ class TileQuantizer:
         self.feats_per_word = 4 // eb  # 2 or 1
         self.col_tasks = self.words_per_row * 4 // THREADS  # (word column, block) per thread
         self.feat_tiles = L.ceil_div(config.k, TILE_FEATURES)
+        # A row of x starts on a 16-byte boundary only if K fills whole vectors; otherwise (a
+        # columnwise K that is not a multiple of 8 / 4) the tile loads element by element.
+        self.vec_loads = config.k % self.vec_elems == 0
         self.k_padded = self.feat_tiles * TILE_FEATURES  # Rp of the colwise packed layout
         self.block32 = config.block_rows == 32
         self.needs_smem = config.cols or self.block32
@@ -298,8 +317,10 @@ class TileQuantizer:
             return f"input dtype {c.dtype} not supported (bfloat16, float16, float32)"
         if c.rounding not in ("rceil", "floor"):
             return f"rounding {c.rounding!r} not supported"
-        if c.k % L.BLOCK_SIZE:
-            return f"K={c.k} must be a multiple of 32 (16-byte vectors never straddle a block)"
+        if c.k < 1:
+            return f"K={c.k}: nothing to quantize (the entry points skip empty tensors)"
+        if (c.rows or self.block32) and c.k % L.BLOCK_SIZE:
+            return f"K={c.k} must be a multiple of 32 when blocks run along K (rowwise, 32x32)"
         if not (c.rows or c.cols):
             return "nothing to write"
         if c.grouping not in ("none", "offs", "uniform"):
@@ -325,7 +346,10 @@ class TileQuantizer:
         self.kernel(
             x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, search_steps, n_vtiles,
         ).launch(
-            grid=[self.feat_tiles, n_vtiles, 1], block=[THREADS, 1, 1],
+            # One linear grid dimension (limit 2^31 - 1 CTAs; grid y stops at 65535, i.e. at
+            # 8.4M tokens): CTA i takes feature tile i % feat_tiles of token tile i // feat_tiles,
+            # the order a (feat_tiles, n_vtiles) grid would run them in.
+            grid=[n_vtiles * self.feat_tiles, 1, 1], block=[THREADS, 1, 1],
             smem=self.smem_bytes, stream=stream,
         )
 
@@ -382,7 +406,9 @@ class TileQuantizer:
     ):
         c = self.cfg
         tid, _, _ = cute.arch.thread_idx()
-        bx, t, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
+        bx = cta % self.feat_tiles  # static divisor: a multiply and a shift
+        t = cta // self.feat_tiles
         tok_begin, n_valid, t_first, tiles_g, g = self.tile_context(
             offs, tile_ends, m, n_groups, search_steps, n_vtiles, t
         )
@@ -411,10 +437,31 @@ class TileQuantizer:
             r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
             vec = tid % self.vecs_per_row
             feat = feat0 + vec * self.vec_elems
-            ok = Int32(r < n_valid) & Int32(feat < c.k)
-            elem = Int64(tok_begin + r) * c.k + feat
-            words.extend(ld_global_v4(base + elem * self.elem_bytes, ok))
+            row_ok = Int32(r < n_valid)
+            elem = (Int64(tok_begin) + r) * c.k + feat  # 64-bit: x may hold >= 2^31 elements
+            addr = base + elem * self.elem_bytes
+            if const_expr(self.vec_loads):
+                words.extend(ld_global_v4(addr, row_ok & Int32(feat < c.k)))
+            else:
+                words.extend(self.load_elements(addr, feat, row_ok))
         return words
+
+    @cute.jit
+    def load_elements(self, addr, feat, row_ok):
+        """The 4 words of one vector slot, element by element (rows not 16-byte aligned: a
+        columnwise K that is not a multiple of the vector); features past K load as 0."""
+        c = self.cfg
+        eb = self.elem_bytes
+        vals = []
+        for i in cutlass.range_constexpr(self.vec_elems):
+            ok = row_ok & Int32(feat + i < c.k)
+            if const_expr(eb == 4):
+                vals.append(ld_global_b32(addr + i * eb, ok, 0))
+            else:
+                vals.append(ld_global_u16(addr + i * eb, ok))
+        if const_expr(eb == 4):
+            return vals
+        return [vals[2 * j] | (vals[2 * j + 1] << 16) for j in range(4)]
 
     @cute.jit
     def stash_tile(self, smem, words, tid):
@@ -459,10 +506,12 @@ class TileQuantizer:
                                       bits[4 * j + 3], inv))
             feat = feat0 + vec * self.vec_elems
             ok = Int32(r < n_valid) & Int32(feat < c.k)
-            st_global(q_base + Int64(tok_begin + r) * c.k + feat, out, ok)
+            st_global(q_base + (Int64(tok_begin) + r) * c.k + feat, out, ok)
             # Packed offset of (virtual row t*128 + r, block 4*bx + blk); every byte of the
-            # tile is written (pad rows / blocks load as zeros -> byte 0).
-            s_off = (t * self.feat_tiles + bx) * L.TILE_BYTES + (r % 32) * 16 + (r // 32) * 4
+            # tile is written (pad rows / blocks load as zeros -> byte 0). 64-bit like every
+            # global offset here.
+            s_off = ((Int64(t) * self.feat_tiles + bx) * L.TILE_BYTES + (r % 32) * 16
+                     + (r // 32) * 4)
             st_global_u8(s_base + Int64(s_off + blk), byte,
                          Int32(lane % self.lanes_per_block == 0))
 
@@ -500,7 +549,7 @@ class TileQuantizer:
                 q = [cvt_e4m3x4(bits[4 * j], bits[4 * j + 1], bits[4 * j + 2], bits[4 * j + 3],
                                 inv) for j in range(8)]
                 staged.append((f, blk, q))
-                s_off = ((bx * tiles_g + (t - t_first)) * L.TILE_BYTES + (f % 32) * 16
+                s_off = ((Int64(bx) * tiles_g + (t - t_first)) * L.TILE_BYTES + (f % 32) * 16
                          + (f // 32) * 4 + blk)
                 st_global_u8(s_base + col_base + s_off, byte, 1)
         if const_expr(c.cols):
@@ -643,7 +692,7 @@ KERNEL_CLASSES = {
     "quantize_weights": WeightQuantizer,
 }
 
-_cache = CompileCache()
+_cache = CompileCache("quantize")
 
 
 def _gmem_ptr(dtype, addr: int):
@@ -683,9 +732,11 @@ def _dtype_name(x: torch.Tensor) -> str:
 def _check_input(x: torch.Tensor, ndim: int) -> None:
     if x.device.type != "cuda" or not x.is_contiguous() or x.dim() != ndim:
         raise ValueError("quantizer kernels need a contiguous CUDA tensor of the right rank")
-    if x.numel() >= 2**31:
-        raise ValueError("quantizer kernels index with int32 element counts (< 2^31 elements)")
-    if x.data_ptr() % VEC_BYTES:
+    # Element offsets are 64-bit (any element count); each extent and the token / tile counts
+    # travel as int32 (the int32 offs contract bounds the grouped ones anyway).
+    if max(x.shape, default=0) > MAX_EXTENT:
+        raise ValueError(f"quantizer kernels take extents < 2^31, got shape {tuple(x.shape)}")
+    if x.data_ptr() % KERNEL_INPUT_ALIGN:
         raise ValueError("quantizer kernels need a 16-byte aligned input")
 
 
@@ -705,8 +756,11 @@ def _group_tables(offs: torch.Tensor | None, m: int):
 
 def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, steps,
             n_vtiles):
-    if n_vtiles == 0:
+    ctas = n_vtiles * L.ceil_div(config.k, TILE_FEATURES)
+    if ctas == 0:  # no tokens and no pad tiles, or K == 0: every output is empty
         return
+    if ctas > MAX_EXTENT:
+        raise ValueError(f"moe_mxfp8 {op}: {ctas} tiles exceed the grid limit (2^31 - 1)")
     fn = compile_quantizer(op, config)
     dummy = x.data_ptr()
 

@@ -44,6 +44,16 @@ def _warn_once(msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+def check_backend_name(backend, who: str, *, env: bool = True) -> None:
+    """Fail early (e.g. in a constructor) on a backend name `resolve_backend` would refuse later;
+    with ``env``, also on a bad ``MOE_MXFP8_BACKEND`` that ``"auto"`` would read."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
+    value = os.environ.get(ENV_VAR)
+    if env and backend == "auto" and value and value not in BACKENDS:
+        raise ValueError(f"{who}: {ENV_VAR}={value!r} is not one of {BACKENDS}")
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """Return the concrete backend (``"reference"``, ``"sm90"`` or ``"sm100"``) for ``device``."""
     if backend is None or backend == "auto":

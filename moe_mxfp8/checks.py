@@ -10,6 +10,11 @@ import torch
 FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROUNDING_MODES = ("rceil", "floor")
 SCALE_LAYOUTS = ("packed", "dense")
+# Largest extent of one dimension (and of E*N expert rows) on every backend: the kernels pass
+# extents and token counts as int32 (as ``offs`` is int32 by contract); element counts and
+# offsets are 64-bit, so a tensor may hold 2^31 elements or more.
+MAX_EXTENT = 2**31 - 1
+KERNEL_INPUT_ALIGN = 16  # bytes: the quantizer kernels' vector loads (inputs are copied if not)
 
 
 def check_float_input(name: str, x: torch.Tensor, ndim: int | tuple[int, ...]) -> None:
@@ -26,14 +31,6 @@ def check_float_input(name: str, x: torch.Tensor, ndim: int | tuple[int, ...]) -
 def check_multiple_of(name: str, value: int, multiple: int, what: str) -> None:
     if value % multiple != 0:
         raise ValueError(f"{name}: {what} must be a multiple of {multiple}, got {value}")
-
-
-def check_contiguous(name: str, x: torch.Tensor) -> None:
-    if not x.is_contiguous():
-        raise ValueError(
-            f"{name} must be contiguous (stride {tuple(x.stride())} for shape {tuple(x.shape)}); "
-            "call .contiguous() first"
-        )
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
@@ -79,3 +76,27 @@ def check_offs(offs: torch.Tensor, extent: int, *, name: str = "offs", sync: boo
         raise ValueError(f"{name} must be non-decreasing and non-negative, got {o.tolist()}")
     if int(o[-1]) != extent:
         raise ValueError(f"{name}[-1] must equal the grouped extent {extent}, got {int(o[-1])}")
+
+
+def check_extents(name: str, x: torch.Tensor, rows: int | None = None) -> None:
+    """Every dimension (and ``rows``, e.g. the E*N rows of expert weights) below 2^31."""
+    for what, v in [*((f"dim {i}", d) for i, d in enumerate(x.shape)), ("E*N rows", rows)]:
+        if v is not None and v > MAX_EXTENT:
+            raise ValueError(
+                f"{name}: {what} is {v}, above the largest supported extent 2^31 - 1 "
+                f"(shape {tuple(x.shape)})"
+            )
+
+
+def check_not_differentiable(fn: str, name: str, x: torch.Tensor) -> None:
+    """Quantizers are not differentiable: refuse an input that would record autograd history.
+
+    The FP8 bytes would otherwise carry a straight-through ``grad_fn`` on one backend and none on
+    another. Inside autograd Functions and custom ops grad mode is off, so this never fires there.
+    """
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{fn}: {name} requires grad, but MXFP8 quantization is not differentiable; pass "
+            f"{name}.detach() or run under torch.no_grad() (for training, use "
+            "moe_mxfp8.grouped_mm / MXFP8MoE, whose backward is defined)"
+        )

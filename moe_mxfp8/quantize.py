@@ -2,6 +2,11 @@
 
 All return `MXFP8Tensor`. Kernels write packed scales directly; ``scale_layout="dense"`` on a
 kernel backend unpacks them afterwards (an inspection path, not a hot one).
+
+Every backend accepts the same inputs and returns the same bytes (the domain table in
+``docs/numerics.md``): a non-contiguous or not 16-byte aligned input is copied before a kernel
+reads it, empty tensors give empty results, and the quantizers are not differentiable (an input
+that would record autograd history is refused on every backend).
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ from .backend import resolve_backend
 from .mx_tensor import MXFP8Tensor
 
 
-def _check_common(name: str, x: torch.Tensor, ndim, rounding: str, scale_layout: str, offs):
+def _check_common(fn: str, name: str, x: torch.Tensor, ndim, rounding: str, scale_layout: str,
+                  offs):
     C.check_float_input(name, x, ndim)
+    C.check_extents(name, x)
+    C.check_not_differentiable(fn, name, x)
     C.check_rounding(rounding)
     C.check_scale_layout(scale_layout)
     if offs is not None:
@@ -25,6 +33,35 @@ def _check_common(name: str, x: torch.Tensor, ndim, rounding: str, scale_layout:
         # Values of offs are checked on the host only when they live there (no GPU sync).
         if offs.device.type == "cpu":
             C.check_offs(offs, x.shape[0])
+
+
+def _kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels read it: contiguous from a 16-byte aligned address (a copy if not)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if x.data_ptr() % C.KERNEL_INPUT_ALIGN:
+        x = x.clone()  # a fresh allocation is aligned (the caching allocator gives 512 bytes)
+    return x
+
+
+def _kernel_offs(offs: torch.Tensor | None) -> torch.Tensor | None:
+    """``offs`` as the kernels read it: a dense int32 array (a strided view is copied)."""
+    return offs if offs is None else offs.contiguous()
+
+
+def _colwise_ref(x: torch.Tensor, rounding: str, scale_layout: str, offs,
+                 scale_blocks: str = "1x32"):
+    """The reference colwise, plus K == 0 with groups (the reference's reshape needs K > 0)."""
+    if x.shape[1] or offs is None:
+        return R.quantize_colwise_ref(x, rounding, scale_layout, offs, scale_blocks)
+    m = x.shape[0]
+    data = torch.empty(0, m, dtype=torch.float8_e4m3fn, device=x.device)
+    if scale_layout == "dense":
+        scale = torch.zeros(0, L.grouped_k_num_blocks(offs), dtype=torch.uint8, device=x.device)
+    else:
+        scale = torch.zeros(L.grouped_k_scale_bytes(0, m, offs.numel()), dtype=torch.uint8,
+                            device=x.device)
+    return MXFP8Tensor(data, scale, scale_layout, offs, "k")
 
 
 def _kernel(op: str, backend: str):
@@ -37,55 +74,67 @@ def _to_dense(t: MXFP8Tensor) -> MXFP8Tensor:
     return MXFP8Tensor(t.data, t.dense_scales(), "dense", t.offs, t.group_axis, t.block_rows)
 
 
+def _act_128(scale_blocks) -> bool:
+    """Whether the recipe ``scale_blocks`` (`reference.SCALE_BLOCKS`) uses 1x128 activation
+    blocks. Those have no quantizer kernel yet: the reference runs on the tensor's device."""
+    if not isinstance(scale_blocks, str) or scale_blocks not in R.SCALE_BLOCKS:
+        raise ValueError(f"scale_blocks must be one of {R.SCALE_BLOCKS}, got {scale_blocks!r}")
+    return R.ACT_BLOCK[scale_blocks] == R.BLOCK_128
+
+
 def quantize_rowwise(
     x: torch.Tensor, *, rounding: str = "rceil", scale_layout: str = "packed",
-    offs: torch.Tensor | None = None, backend: str | None = "auto",
+    offs: torch.Tensor | None = None, backend: str | None = "auto", scale_blocks: str = "1x32",
 ) -> MXFP8Tensor:
     """``x (M, K)`` bf16/fp16/fp32 -> MXFP8 ``(M, K)`` with blocks of 32 along K (K % 32 == 0).
 
     ``offs`` (int32 ``(G,)`` cumulative ends along M): each group's scale rows start on a
-    128-row tile of the packed layout; the data is not padded.
+    128-row tile of the packed layout; the data is not padded. ``scale_blocks="1x128"``: one
+    scale per 128 elements along K, replicated over its four 32-blocks (a valid MXFP8 tensor).
     """
-    _check_common("x", x, 2, rounding, scale_layout, offs)
+    _check_common("quantize_rowwise", "x", x, 2, rounding, scale_layout, offs)
     C.check_multiple_of("x", x.shape[1], L.BLOCK_SIZE, "the last dim (K)")
     be = resolve_backend(backend, x.device)
-    if be == "reference":
-        return R.quantize_rowwise_ref(x, rounding, scale_layout, offs)
-    C.check_contiguous("x", x)
-    out = _kernel("quantize_rowwise", be)(x, rounding=rounding, offs=offs)
+    if be == "reference" or _act_128(scale_blocks):
+        return R.quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks)
+    out = _kernel("quantize_rowwise", be)(_kernel_input(x), rounding=rounding,
+                                          offs=_kernel_offs(offs))
     return out if scale_layout == "packed" else _to_dense(out)
 
 
 def quantize_colwise(
     x: torch.Tensor, *, rounding: str = "rceil", scale_layout: str = "packed",
-    offs: torch.Tensor | None = None, backend: str | None = "auto",
+    offs: torch.Tensor | None = None, backend: str | None = "auto", scale_blocks: str = "1x32",
 ) -> MXFP8Tensor:
-    """``x (M, K)`` -> MXFP8 of ``x.T``: data ``(K, M)`` contiguous, blocks of 32 along M (any M).
+    """``x (M, K)`` -> MXFP8 of ``x.T``: data ``(K, M)`` contiguous, blocks of 32 along M.
+
+    Any M and any K (M's last block is zero-padded; K is not reduced, so needs no multiple).
 
     ``offs`` (groups along M): blocks restart at each group start; a group's last block is
     virtually zero-padded; scales packed per group (the 2D x 2D grouped convention).
     """
-    _check_common("x", x, 2, rounding, scale_layout, offs)
+    _check_common("quantize_colwise", "x", x, 2, rounding, scale_layout, offs)
     be = resolve_backend(backend, x.device)
-    if be == "reference":
-        return R.quantize_colwise_ref(x, rounding, scale_layout, offs)
-    C.check_contiguous("x", x)
-    out = _kernel("quantize_colwise", be)(x, rounding=rounding, offs=offs)
+    if be == "reference" or _act_128(scale_blocks):  # 1x128: blocks restart per group too
+        return _colwise_ref(x, rounding, scale_layout, offs, scale_blocks)
+    out = _kernel("quantize_colwise", be)(_kernel_input(x), rounding=rounding,
+                                          offs=_kernel_offs(offs))
     return out if scale_layout == "packed" else _to_dense(out)
 
 
 def quantize_dual(
     x: torch.Tensor, *, rounding: str = "rceil", scale_layout: str = "packed",
-    offs: torch.Tensor | None = None, backend: str | None = "auto",
+    offs: torch.Tensor | None = None, backend: str | None = "auto", scale_blocks: str = "1x32",
 ) -> tuple[MXFP8Tensor, MXFP8Tensor]:
     """Both orientations of ``x (M, K)`` from one read: (rowwise ``(M, K)``, colwise ``(K, M)``)."""
-    _check_common("x", x, 2, rounding, scale_layout, offs)
+    _check_common("quantize_dual", "x", x, 2, rounding, scale_layout, offs)
     C.check_multiple_of("x", x.shape[1], L.BLOCK_SIZE, "the last dim (K)")
     be = resolve_backend(backend, x.device)
-    if be == "reference":
-        return R.quantize_dual_ref(x, rounding, scale_layout, offs)
-    C.check_contiguous("x", x)
-    row, col = _kernel("quantize_dual", be)(x, rounding=rounding, offs=offs)
+    if be == "reference" or _act_128(scale_blocks):
+        return (R.quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks),
+                _colwise_ref(x, rounding, scale_layout, offs, scale_blocks))
+    row, col = _kernel("quantize_dual", be)(_kernel_input(x), rounding=rounding,
+                                            offs=_kernel_offs(offs))
     if scale_layout == "dense":
         return _to_dense(row), _to_dense(col)
     return row, col
@@ -103,20 +152,25 @@ def quantize_weights(
     ``axis="K"``: data ``(E, N, K)``, blocks along K (fprop operand). ``axis="N"``: data
     ``(E, K, N)``, blocks along N (dgrad operand). ``block_rows=32``: one scale per 32x32 tile
     (both orientations then share values), an option; the default is 1x32 blocks.
+    ``block_rows=128``: one scale per 128x128 tile (the "1x128" recipe's weights; reference
+    quantizer on every backend for now).
     """
     C.check_float_input("w", w, 3)
+    C.check_extents("w", w, rows=w.shape[0] * w.shape[1])
+    C.check_not_differentiable("quantize_weights", "w", w)
     C.check_rounding(rounding)
     C.check_scale_layout(scale_layout)
     if axis not in WEIGHT_AXES:
         raise ValueError(f"axis must be 'K' (fprop) or 'N' (dgrad), got {axis!r}")
-    if block_rows not in (1, 32):
-        raise ValueError(f"block_rows must be 1 (1x32 blocks) or 32 (32x32), got {block_rows}")
+    if block_rows not in (1, 32, R.BLOCK_128):
+        raise ValueError(f"block_rows must be 1 (1x32 blocks), 32 (32x32) or 128 (128x128), "
+                         f"got {block_rows}")
     C.check_multiple_of("w", w.shape[-1 if axis == "K" else -2], L.BLOCK_SIZE, f"axis {axis}")
     if block_rows == 32:
         C.check_multiple_of("w", w.shape[-2 if axis == "K" else -1], 32, "the other axis (32x32)")
     be = resolve_backend(backend, w.device)
-    if be == "reference":
+    if be == "reference" or block_rows == R.BLOCK_128:
         return R.quantize_weights_ref(w, axis, rounding, scale_layout, block_rows)
-    C.check_contiguous("w", w)
-    out = _kernel("quantize_weights", be)(w, axis=axis, rounding=rounding, block_rows=block_rows)
+    out = _kernel("quantize_weights", be)(_kernel_input(w), axis=axis, rounding=rounding,
+                                          block_rows=block_rows)
     return out if scale_layout == "packed" else _to_dense(out)

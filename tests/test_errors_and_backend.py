@@ -66,13 +66,18 @@ def test_bad_offs(offs, err, match):
             fn(X, offs=offs, backend="reference")
 
 
-def test_non_contiguous_is_fine_for_reference_but_named_for_kernels():
+def test_non_contiguous_is_fine():
+    # Every backend takes any strides (the kernel path copies first: tests/test_domain.py).
     xt = torch.randn(64, 64).t()
-    assert quantize_rowwise(xt, backend="reference").data.is_contiguous()
-    from moe_mxfp8.checks import check_contiguous
+    got = quantize_rowwise(xt, backend="reference")
+    assert got.data.is_contiguous()
+    want = quantize_rowwise(xt.contiguous(), backend="reference")
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
 
-    with pytest.raises(ValueError, match="x must be contiguous"):
-        check_contiguous("x", xt)
+
+def test_requires_grad_is_refused_with_the_way_out():
+    with pytest.raises(ValueError, match=r"quantize_dual: x requires grad.*x.detach\(\)"):
+        quantize_dual(X.clone().requires_grad_(), backend="reference")
 
 
 def test_nan_inf_follow_the_contract_not_an_exception():

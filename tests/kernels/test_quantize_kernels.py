@@ -9,6 +9,7 @@ first; for NaN/Inf blocks only the scale byte (0xFF) is compared.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -45,6 +46,9 @@ COMPILE_SCRIPT = textwrap.dedent(
             ("quantize_colwise", C(dt, rnd, 2048, False, True, col_aligned=True)),
             ("quantize_colwise", C(dt, rnd, 96, False, True)),
             ("quantize_colwise", C(dt, rnd, 2048, False, True, grouping="offs")),
+            # a columnwise K that is no multiple of 32 or of the vector: element loads
+            ("quantize_colwise", C(dt, rnd, 19, False, True)),
+            ("quantize_colwise", C(dt, rnd, 100, False, True, grouping="offs")),
             ("quantize_dual", C(dt, rnd, 2048, True, True, col_aligned=True)),
             ("quantize_dual", C(dt, rnd, 160, True, True)),
             ("quantize_dual", C(dt, rnd, 4096, True, True, grouping="offs")),
@@ -53,6 +57,9 @@ COMPILE_SCRIPT = textwrap.dedent(
             variants.append(("quantize_weights", C(
                 dt, rnd, 2048, axis_rows, not axis_rows, grouping="uniform", group_rows=1536,
                 col_layout="experts", block_rows=br, col_aligned=True)))
+        variants.append(("quantize_weights", C(  # axis N with K = 19 (the non-reduced extent)
+            dt, rnd, 19, False, True, grouping="uniform", group_rows=64, col_layout="experts",
+            col_aligned=True)))
         for op, cfg in variants:
             Q.compile_quantizer(op, cfg)
             n += 1
@@ -68,7 +75,56 @@ def test_compile_all_variants(arch):
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled 72" in res.stdout
+    assert "compiled 90" in res.stdout
+
+
+SASS_SCRIPT = textwrap.dedent(
+    """
+    import glob, os, shutil, sys
+    from moe_mxfp8.kernels import quantize as Q
+    C = Q.QuantConfig
+    out = sys.argv[1]
+    for name, cfg in [("odd_k", C("bfloat16", "rceil", 19, False, True)),
+                      ("vec_k", C("bfloat16", "rceil", 96, False, True))]:
+        Q.compile_quantizer("quantize_colwise", cfg)
+        os.makedirs(os.path.join(out, name))
+        for f in glob.glob(os.path.join(out, "*.cubin")):
+            shutil.move(f, os.path.join(out, name))
+    """
+)
+
+
+def test_element_loads_only_where_rows_are_unaligned(tmp_path):
+    """A columnwise K = 19 (rows 38 bytes apart) loads 16-bit elements; K = 96 keeps the 16-byte
+    vector loads. The vector count per thread is the same (8), so 64 element loads."""
+    import shutil
+
+    nvdisasm = shutil.which("nvdisasm")
+    if nvdisasm is None:
+        import glob
+
+        try:
+            import nvidia
+        except ImportError:
+            pytest.skip("nvdisasm not found")
+        hits = [h for r in nvidia.__path__ for h in glob.glob(f"{r}/*/bin/nvdisasm")]
+        if not hits:
+            pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+        nvdisasm = hits[0]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               CUTE_DSL_KEEP="cubin")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", SASS_SCRIPT, str(tmp_path)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    sass = {}
+    for name in ("odd_k", "vec_k"):
+        (cubin,) = (tmp_path / name).glob("*.cubin")
+        sass[name] = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True,
+                                    text=True, check=True).stdout
+    vec = re.compile(r"LDG\.E(\.NA)?\.128")
+    assert sass["odd_k"].count("LDG.E.U16") == 64 and not vec.search(sass["odd_k"])
+    assert "LDG.E.U16" not in sass["vec_k"] and len(vec.findall(sass["vec_k"])) == 8
 
 
 def test_can_implement_explains_refusals():
@@ -82,6 +138,11 @@ def test_can_implement_explains_refusals():
     assert "N % 32" in bad.can_implement()
     ok = Q.DualQuantizer(Q.QuantConfig("float32", "floor", 64, True, True, grouping="offs"))
     assert ok.can_implement() is None
+    # K is not reduced by the columnwise output: any K >= 1, element loads when K % 8 != 0
+    for k, vec in ((19, False), (40, True), (100, False)):
+        col = Q.ColwiseQuantizer(Q.QuantConfig("bfloat16", "rceil", k, False, True))
+        assert col.can_implement() is None and col.vec_loads == vec
+    assert Q.ColwiseQuantizer(Q.QuantConfig("float32", "rceil", 100, False, True)).vec_loads
 
 
 def test_registered_for_both_archs():
@@ -300,3 +361,43 @@ def test_public_api_dispatch_and_no_sync():
     torch.cuda.synchronize()
     assert_bit_exact(r2, row, "graph/row")
     assert_bit_exact(c2, col, "graph/col")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m,k", [(524288, 4128), (2**26 + 64, 32)])
+def test_more_than_2_31_elements(m, k):
+    """Element offsets are 64-bit: 524288 tokens (a DeepSeek-V3-sized step) x 4128 features, and
+    2^26 + 64 tokens x 32 (524289 token tiles: more than a grid's y dimension holds). Compared
+    with the reference in chunks (~16M elements) that map to contiguous packed-scale ranges."""
+    Q = _kernels()
+    assert m * k >= 2**31
+    need = m * k * 4 + (1 << 30)  # bf16 input, two e4m3 outputs, chunk temporaries
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    x[-1] *= 2.0**20  # the last row and column differ in magnitude from the rest
+    x[:, -1] *= 2.0**-20
+    row, col = Q.quantize_dual(x)
+    u8 = torch.uint8
+    step = 128 * max(1, 2**24 // (128 * k))  # rows per chunk, a multiple of the 128-row tile
+    row_tile_bytes = 128 * L.round_up(k // 32, 4)
+    for r0 in range(0, m, step):
+        ref = R.quantize_rowwise_ref(x[r0:r0 + step])
+        s0 = r0 // 128 * row_tile_bytes
+        assert torch.equal(row.data[r0:r0 + step].view(u8), ref.data.view(u8)), r0
+        assert torch.equal(row.scale[s0:s0 + ref.scale.numel()], ref.scale), r0
+    if k <= 128:  # one feature tile: chunks of tokens are contiguous 4-block scale columns
+        for r0 in range(0, m, step):
+            ref = R.quantize_colwise_ref(x[r0:r0 + step])
+            s0 = r0 // 128 * L.TILE_BYTES
+            assert torch.equal(col.data[:, r0:r0 + step].view(u8), ref.data.view(u8)), r0
+            assert torch.equal(col.scale[s0:s0 + ref.scale.numel()], ref.scale), r0
+    else:  # chunks of 128 features: one row tile of the packed (K, M/32) scale matrix each
+        feat_tile_bytes = 128 * L.round_up(L.ceil_div(m, 32), 4)
+        for f0 in range(0, k, 128):
+            ref = R.quantize_colwise_ref(x[:, f0:f0 + 128])
+            s0 = f0 // 128 * feat_tile_bytes
+            assert torch.equal(col.data[f0:f0 + 128].view(u8), ref.data.view(u8)), f0
+            assert torch.equal(col.scale[s0:s0 + ref.scale.numel()], ref.scale), f0

@@ -1,0 +1,158 @@
+"""Safetensors checkpoints that record the configuration of every `MXFP8MoE` layer.
+
+A state dict alone does not say how its weights are meant: a ``top_k=2`` checkpoint has the same
+tensors as a ``top_k=4`` one. `save_file` writes the model's state dict (any ``nn.Module``; tied
+weights are stored once, as ``safetensors.torch.save_model`` does) plus, in the safetensors
+metadata, each `MXFP8MoE` submodule's `MXFP8MoE.checkpoint_config` (the constructor arguments
+that change what the weights mean, and which experts an expert-parallel shard holds) under its
+qualified name.
+`load_file` compares them with the model before loading any tensor and refuses a mismatch with
+one line naming the layer, the field and both values::
+
+    from moe_mxfp8 import checkpoint
+
+    checkpoint.save_file(model, "model.safetensors", metadata={"step": "100"})
+    checkpoint.load_file(model, "model.safetensors")        # strict=True, device="cpu"
+    checkpoint.read_metadata("model.safetensors")           # {"step": "100"}
+
+Plain ``model.load_state_dict(safetensors.torch.load_file(path))`` still loads these files (the
+configuration lives in the metadata only), and `load_file` with ``strict=False`` loads files
+written without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from .moe import MXFP8MoE
+
+LAYERS_KEY = "moe_mxfp8.layers"  # metadata: JSON {qualified layer name: {field: value}}
+FORMAT_KEY = "moe_mxfp8.format"
+FORMAT_VERSION = "1"
+RESERVED_KEYS = (LAYERS_KEY, FORMAT_KEY)
+
+PathLike = str | os.PathLike
+
+
+def layer_configs(model: nn.Module) -> dict[str, dict]:
+    """``{qualified name: layer.checkpoint_config()}`` of every `MXFP8MoE` in ``model``
+    (``""`` when ``model`` is itself one)."""
+    return {
+        name: mod.checkpoint_config()
+        for name, mod in model.named_modules()
+        if isinstance(mod, MXFP8MoE)
+    }
+
+
+def save_file(model: nn.Module, path: PathLike, *, metadata: dict[str, str] | None = None) -> None:
+    """Write ``model``'s state dict and its layers' configuration to ``path`` (safetensors).
+
+    ``metadata``: extra ``str -> str`` entries (e.g. the step), returned by `read_metadata`.
+    """
+    from safetensors.torch import save_model  # noqa: PLC0415  (optional at import time)
+
+    meta = dict(metadata or {})
+    for key, value in meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"save_file: metadata must map str to str, got {key!r}: {value!r}")
+        if key in RESERVED_KEYS:
+            raise ValueError(f"save_file: metadata key {key!r} is reserved by moe_mxfp8")
+    meta[LAYERS_KEY] = json.dumps(layer_configs(model), sort_keys=True)
+    meta[FORMAT_KEY] = FORMAT_VERSION
+    save_model(model, os.fspath(path), metadata=meta)
+
+
+def _raw_metadata(path: PathLike) -> dict[str, str]:
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path}: no such file")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return dict(f.metadata() or {})
+    except SafetensorError as e:
+        raise ValueError(f"checkpoint {path}: not a readable safetensors file ({e})") from None
+
+
+def read_metadata(path: PathLike) -> dict[str, str]:
+    """A checkpoint's metadata without moe_mxfp8's own entries: the caller's ``metadata`` (and
+    ``save_model``'s ``{dropped name: kept name}`` records of tied tensors)."""
+    return {k: v for k, v in _raw_metadata(path).items() if k not in RESERVED_KEYS}
+
+
+def read_layer_configs(path: PathLike) -> dict[str, dict] | None:
+    """The recorded layer configurations, or None for a file written without them."""
+    raw = _raw_metadata(path).get(LAYERS_KEY)
+    if raw is None:
+        return None
+    try:
+        configs = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"checkpoint {os.fspath(path)}: {LAYERS_KEY} is not JSON ({e})") from None
+    if not isinstance(configs, dict):
+        raise ValueError(f"checkpoint {os.fspath(path)}: {LAYERS_KEY} is not a mapping")
+    return configs
+
+
+def _layer_name(name: str) -> str:
+    return f"layer {name!r}" if name else "(the model itself)"
+
+
+def check_layer_configs(model: nn.Module, saved: dict[str, dict] | None, *, strict: bool = True,
+                        source: str = "checkpoint") -> None:
+    """Refuse a checkpoint whose recorded configuration differs from ``model``'s layers.
+
+    Differing values are always an error. With ``strict``, so are a file without the record and
+    layers present on one side only.
+    """
+    have = layer_configs(model)
+    if saved is None:
+        if strict and have:
+            raise ValueError(
+                f"{source} records no MXFP8MoE configuration (not written by "
+                "moe_mxfp8.checkpoint.save_file); pass strict=False to load it unchecked"
+            )
+        return
+    if strict:
+        extra = sorted(set(saved) - set(have))
+        if extra:
+            raise ValueError(f"{source} has MXFP8MoE {_layer_name(extra[0])}, which the model "
+                             f"lacks ({len(extra)} such layer(s))")
+        lacking = sorted(set(have) - set(saved))
+        if lacking:
+            raise ValueError(f"{source} has no configuration for the model's MXFP8MoE "
+                             f"{_layer_name(lacking[0])} ({len(lacking)} such layer(s))")
+    for name in sorted(set(have) & set(saved)):
+        diffs = [
+            f"{field}={saved[name][field]!r} but the model has {field}={value!r}"
+            for field, value in have[name].items()
+            if field in saved[name] and saved[name][field] != value
+            # all experts (None) load into an expert-parallel shard too (sliced on load)
+            and not (field == "expert_shard" and saved[name][field] is None)
+        ]
+        if diffs:
+            raise ValueError(f"{source}: MXFP8MoE {_layer_name(name)} was saved with "
+                             + "; ".join(diffs))
+
+
+def load_file(model: nn.Module, path: PathLike, *, strict: bool = True,
+              device: str | int | torch.device = "cpu") -> tuple[list[str], list[str]]:
+    """Check the recorded configuration against ``model``, then load the tensors into it.
+
+    ``strict``: refuse missing or unexpected keys and a file without the configuration record
+    (``strict=False`` loads what matches and returns the rest). ``device``: where the tensors are
+    read to before being copied into the parameters. Returns ``(missing, unexpected)`` keys.
+    """
+    from safetensors.torch import load_model  # noqa: PLC0415
+
+    source = f"checkpoint {os.fspath(path)}"
+    check_layer_configs(model, read_layer_configs(path), strict=strict, source=source)
+    if isinstance(device, torch.device):
+        device = str(device)
+    missing, unexpected = load_model(model, os.fspath(path), strict=strict, device=device)
+    return sorted(missing), sorted(unexpected)

@@ -1,0 +1,351 @@
+"""The quantizers' domain (docs/numerics.md, "Domain"): every edge of the table, on every backend.
+
+CPU (CI): the reference path accepts each edge with the sizes the table states; the kernel path's
+host glue (copies, empty tensors, refusals) runs against a stand-in kernel that insists on what
+the real kernels need and computes with the reference.
+GPU: the same edges through ``backend="auto"`` (the CuTeDSL kernels), bit-exact against the
+reference on the same data; outputs of the direct kernel calls are poisoned first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_mxfp8.quantize as P
+from moe_mxfp8 import checks as C
+from moe_mxfp8 import layout as L
+from moe_mxfp8 import reference as R
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# (M, K) of x for the columnwise quantizer: any M, any K (odd K takes the element-load path;
+# K % 8 == 0 but not % 32 the vector path with a partial block of features).
+COLWISE_SHAPES = [(19, 64), (100, 96), (64, 19), (96, 100), (1, 1), (3, 7), (130, 33),
+                  (129, 200), (17, 40), (33, 12), (0, 64), (5, 0), (0, 0)]
+# rowwise / dual: K % 32 == 0, any M.
+ROWWISE_SHAPES = [(1, 32), (19, 64), (100, 96), (127, 160), (0, 64), (5, 0), (0, 0)]
+GROUP_SIZES = [[0, 5, 130, 0, 33, 1], [0, 0, 0], [19]]
+# Expert weights (E, N, K), axis, block_rows.
+WEIGHT_CASES = [((2, 40, 64), "K", 1), ((2, 64, 19), "N", 1), ((2, 64, 40), "N", 1),
+                ((3, 64, 96), "N", 32), ((0, 32, 64), "K", 1), ((0, 32, 64), "N", 32),
+                ((2, 0, 64), "K", 1), ((2, 0, 64), "N", 1), ((2, 32, 0), "K", 1),
+                ((2, 32, 0), "N", 1)]
+
+
+def _x(shape, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=device)
+    if x.numel():  # magnitudes over many octaves, per row
+        x = x * torch.exp2(torch.randint(-12, 12, (*shape[:-1], 1), generator=g,
+                                         device=device).float())
+    return x.to(dtype)
+
+
+def _offs(sizes, device="cpu"):
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def assert_same(got, want, what=""):
+    """Same data bytes, same scale bytes, same layout metadata."""
+    assert got.data.shape == want.data.shape, (what, got.data.shape, want.data.shape)
+    assert got.data.dtype == want.data.dtype == torch.float8_e4m3fn, what
+    assert got.scale.shape == want.scale.shape, (what, got.scale.shape, want.scale.shape)
+    assert (got.scale_layout, got.group_axis, got.block_rows) == (
+        want.scale_layout, want.group_axis, want.block_rows), what
+    assert torch.equal(got.scale.cpu(), want.scale.cpu()), f"{what}: scale bytes differ"
+    gd, wd = got.data.view(torch.uint8).cpu(), want.data.view(torch.uint8).cpu()
+    assert torch.equal(gd, wd), f"{what}: {(gd != wd).sum().item()} data bytes differ"
+
+
+def _misaligned(x):
+    """The same values as ``x``, contiguous, starting 2 elements into their storage."""
+    buf = torch.empty(x.numel() + 2, dtype=x.dtype, device=x.device)
+    v = buf[2:].view(x.shape)
+    v.copy_(x)
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the reference path accepts every edge, with the table's sizes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m,k", COLWISE_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_colwise_any_extent(m, k, dtype):
+    x = _x((m, k), dtype)
+    t = P.quantize_colwise(x, backend="reference")
+    assert t.data.shape == (k, m)
+    assert t.scale.numel() == L.packed_scale_bytes(k, L.ceil_div(m, 32))
+    # The columnwise bytes are the rowwise bytes of x.T with M zero-padded to 32 (definition).
+    mp = L.round_up(m, 32)
+    pad = torch.zeros(mp, k, dtype=dtype)
+    pad[:m] = x
+    row = P.quantize_rowwise(pad.t().contiguous(), scale_layout="dense", backend="reference")
+    dense = P.quantize_colwise(x, scale_layout="dense", backend="reference")
+    assert torch.equal(dense.scale, row.scale)
+    assert torch.equal(dense.data.view(torch.uint8), row.data.view(torch.uint8)[:, :m])
+
+
+@pytest.mark.parametrize("m,k", ROWWISE_SHAPES)
+def test_rowwise_dual_empty_and_small(m, k):
+    x = _x((m, k))
+    row = P.quantize_rowwise(x, backend="reference")
+    assert row.data.shape == (m, k) and row.scale.numel() == L.packed_scale_bytes(m, k // 32)
+    r2, c2 = P.quantize_dual(x, backend="reference")
+    assert_same(r2, row, "dual/row")
+    assert_same(c2, P.quantize_colwise(x, backend="reference"), "dual/col")
+
+
+@pytest.mark.parametrize("sizes", GROUP_SIZES)
+@pytest.mark.parametrize("k", [0, 19, 64])
+def test_grouped_edges(sizes, k):
+    m = sum(sizes)
+    offs = _offs(sizes)
+    x = _x((m, k))
+    col = P.quantize_colwise(x, offs=offs, backend="reference")
+    assert col.data.shape == (k, m)
+    assert col.scale.numel() == L.grouped_k_scale_bytes(k, m, len(sizes))
+    dense = P.quantize_colwise(x, offs=offs, scale_layout="dense", backend="reference")
+    assert dense.scale.shape == (k, L.grouped_k_num_blocks(offs))
+    if k % 32 == 0:
+        row, col2 = P.quantize_dual(x, offs=offs, backend="reference")
+        assert row.scale.numel() == L.grouped_rows_scale_bytes(m, k // 32, len(sizes))
+        assert_same(col2, col, "dual/col")
+    if m == 0 or k == 0:  # nothing but pad bytes
+        assert not col.scale.any()
+
+
+@pytest.mark.parametrize("shape,axis,block_rows", WEIGHT_CASES)
+def test_weight_edges(shape, axis, block_rows):
+    e, n, k = shape
+    w = _x(shape)
+    t = P.quantize_weights(w, axis=axis, block_rows=block_rows, backend="reference")
+    rows, red = (n, k) if axis == "K" else (k, n)
+    assert t.data.shape == (e, rows, red)
+    assert t.scale.numel() == e * L.expert_scale_stride(rows, L.ceil_div(red, 32))
+
+
+def test_layout_of_the_input_does_not_matter():
+    x = _x((96, 64))
+    ref = P.quantize_dual(x, backend="reference")
+    for variant in (_misaligned(x), x.t().contiguous().t(), torch.stack([x, x], -1)[..., 0]):
+        got = P.quantize_dual(variant, backend="reference")
+        assert_same(got[0], ref[0], "row")
+        assert_same(got[1], ref[1], "col")
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: P.quantize_rowwise(torch.zeros(4, 48)), "multiple of 32, got 48"),
+        (lambda: P.quantize_dual(torch.zeros(4, 19)), "multiple of 32, got 19"),
+        (lambda: P.quantize_weights(torch.zeros(2, 64, 19)), "axis K must be a multiple of 32"),
+        (lambda: P.quantize_weights(torch.zeros(2, 40, 64), axis="N"), "axis N must be"),
+        (lambda: P.quantize_weights(torch.zeros(2, 64, 40), axis="N", block_rows=32),
+         "other axis"),
+        (lambda: P.quantize_colwise(torch.zeros(4, 4, dtype=torch.float64)), "bfloat16"),
+        (lambda: P.quantize_colwise(torch.zeros(4)), "must be 2D"),
+    ],
+)
+def test_refusals_are_one_line(call, match):
+    with pytest.raises((ValueError, TypeError), match=match) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_extent_limit_is_checked_on_every_backend():
+    big = torch.empty(0, 2**31)  # no memory: an empty tensor with one huge extent
+    with pytest.raises(ValueError, match="largest supported extent 2\\^31 - 1"):
+        P.quantize_colwise(big, backend="reference")
+    with pytest.raises(ValueError, match="E\\*N rows"):
+        C.check_extents("w", torch.empty(2**16, 2**15, 0), rows=2**31)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernel path's host glue, with a stand-in kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    """backend "auto" resolves to "sm90"; the "kernel" checks what the real one requires
+    (contiguous, 16-byte aligned, no autograd) and computes with the reference."""
+    seen = []
+
+    def lookup(op, backend):
+        def kernel(x, **kw):
+            assert x.is_contiguous() and x.data_ptr() % C.KERNEL_INPUT_ALIGN == 0
+            assert kw.get("offs") is None or kw["offs"].is_contiguous()
+            assert not x.requires_grad or not torch.is_grad_enabled()
+            seen.append((op, tuple(x.shape)))
+            if op == "quantize_weights":
+                return R.quantize_weights_ref(x, kw["axis"], kw["rounding"],
+                                              block_rows=kw["block_rows"])
+            fn = {"quantize_rowwise": R.quantize_rowwise_ref,
+                  "quantize_colwise": P._colwise_ref,
+                  "quantize_dual": R.quantize_dual_ref}[op]
+            return fn(x, kw["rounding"], "packed", kw["offs"])
+
+        return kernel
+
+    monkeypatch.setattr(P, "resolve_backend",
+                        lambda backend, device: "reference" if backend == "reference" else "sm90")
+    monkeypatch.setattr(P, "_kernel", lookup)
+    return seen
+
+
+def test_kernel_path_copies_strided_and_misaligned_inputs(stand_in_kernels):
+    x = _x((96, 64))
+    want = P.quantize_rowwise(x, backend="reference")
+    for variant in (_misaligned(x), x.t().contiguous().t()):
+        assert_same(P.quantize_rowwise(variant), want, "rowwise")
+    w = _x((2, 64, 32))
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # (2, 64, 32) with strides of (2,32,64)
+    assert_same(P.quantize_weights(wt, axis="N"),
+                P.quantize_weights(w, axis="N", backend="reference"), "weights")
+    assert len(stand_in_kernels) == 3
+
+
+def test_kernel_path_strided_offs(stand_in_kernels):
+    x = _x((40, 64))
+    offs = torch.stack([_offs([10, 0, 30]), _offs([1, 1, 1])], 1)[:, 0]  # stride 2
+    assert not offs.is_contiguous()
+    for fn in (P.quantize_rowwise, P.quantize_colwise):
+        assert_same(fn(x, offs=offs), fn(x, offs=offs.contiguous(), backend="reference"),
+                    fn.__name__)
+
+
+def test_kernel_path_dense_layout_and_empty(stand_in_kernels):
+    for m, k in [(0, 64), (5, 0), (64, 19)]:
+        x = _x((m, k))
+        assert_same(P.quantize_colwise(x, scale_layout="dense"),
+                    P.quantize_colwise(x, scale_layout="dense", backend="reference"), "colwise")
+    offs = _offs([3, 0, 2])
+    x = _x((5, 0))
+    assert_same(P.quantize_colwise(x, offs=offs),
+                P.quantize_colwise(x, offs=offs, backend="reference"), "K=0 grouped")
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: quantizers are not differentiable (refused, the same on every backend)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["rowwise", "colwise", "dual", "weights"])
+def test_requires_grad_input_is_refused(name):
+    fn = getattr(P, f"quantize_{name}")
+    x = _x((2, 32, 64) if name == "weights" else (32, 64), torch.float32).requires_grad_()
+    with pytest.raises(ValueError, match="requires grad, but MXFP8 quantization is not "
+                                         "differentiable") as info:
+        fn(x, backend="reference")
+    assert "\n" not in str(info.value)
+    with torch.no_grad():  # the documented ways out
+        a = fn(x, backend="reference")
+    b = fn(x.detach(), backend="reference")
+    for ta, tb in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,),
+                      strict=True):
+        assert not ta.data.requires_grad and ta.data.grad_fn is None
+        assert_same(ta, tb, name)
+
+
+def test_requires_grad_refused_on_the_kernel_path_too(stand_in_kernels):
+    x = _x((32, 64), torch.float32).requires_grad_()
+    with pytest.raises(ValueError, match="requires grad"):
+        P.quantize_rowwise(x)
+    assert stand_in_kernels == []
+
+
+def test_autograd_functions_still_quantize_their_inputs():
+    """Inside the layer's autograd Function the inputs require grad but grad mode is off."""
+    from moe_mxfp8 import grouped_mm
+
+    x = _x((64, 64), torch.bfloat16).requires_grad_()
+    w = (_x((2, 64, 64), torch.bfloat16) / 8).requires_grad_()
+    offs = _offs([30, 34])
+    y = grouped_mm(x, w.transpose(-2, -1), offs, backend="reference")
+    y.float().square().mean().backward()
+    assert x.grad is not None and w.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: every edge through the kernels, bit-exact against the reference
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k", COLWISE_SHAPES)
+def test_gpu_colwise_any_extent(m, k, dtype):
+    from moe_mxfp8.kernels import quantize as Q
+
+    x = _x((m, k), dtype, "cuda", seed=m * 31 + k)
+    want = R.quantize_colwise_ref(x)
+    assert_same(P.quantize_colwise(x), want, f"colwise {(m, k)}")
+    nbytes = L.packed_scale_bytes(k, L.ceil_div(m, 32))
+    out = {"q_col": torch.full((k, m), 0xAB, dtype=torch.uint8, device="cuda")
+           .view(torch.float8_e4m3fn),
+           "s_col": torch.full((nbytes,), 0xAB, dtype=torch.uint8, device="cuda")}
+    assert_same(Q.quantize_colwise(x, rounding="rceil", out=out), want, "poisoned")
+    if dtype == torch.float32:
+        assert_same(P.quantize_colwise(x, rounding="floor"),
+                    R.quantize_colwise_ref(x, "floor"), "floor")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", ROWWISE_SHAPES)
+def test_gpu_rowwise_dual_edges(m, k):
+    x = _x((m, k), torch.bfloat16, "cuda", seed=m + k)
+    assert_same(P.quantize_rowwise(x), R.quantize_rowwise_ref(x), "rowwise")
+    row, col = P.quantize_dual(x)
+    assert_same(row, R.quantize_rowwise_ref(x), "dual/row")
+    assert_same(col, R.quantize_colwise_ref(x), "dual/col")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", GROUP_SIZES)
+@pytest.mark.parametrize("k", [0, 19, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_grouped_edges(sizes, k, dtype):
+    m = sum(sizes)
+    offs = _offs(sizes, "cuda")
+    x = _x((m, k), dtype, "cuda", seed=m + k)
+    assert_same(P.quantize_colwise(x, offs=offs),
+                P.quantize_colwise(x, offs=offs, backend="reference"), "colwise/offs")
+    assert_same(P.quantize_colwise(x, offs=offs, scale_layout="dense"),
+                P.quantize_colwise(x, offs=offs, scale_layout="dense", backend="reference"),
+                "colwise/offs/dense")
+    if k % 32 == 0:
+        row, col = P.quantize_dual(x, offs=offs)
+        assert_same(row, R.quantize_rowwise_ref(x, offs=offs), "dual/row/offs")
+        assert_same(col, P.quantize_colwise(x, offs=offs, backend="reference"), "dual/col/offs")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,axis,block_rows", WEIGHT_CASES)
+def test_gpu_weight_edges(shape, axis, block_rows):
+    w = _x(shape, torch.bfloat16, "cuda", seed=sum(shape))
+    want = R.quantize_weights_ref(w, axis, block_rows=block_rows)
+    assert_same(P.quantize_weights(w, axis=axis, block_rows=block_rows), want, "weights")
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
+    assert_same(P.quantize_weights(wt, axis=axis, block_rows=block_rows), want, "strided")
+
+
+@pytest.mark.gpu
+def test_gpu_input_layout_and_autograd_edges():
+    x = _x((96, 64), torch.float16, "cuda")
+    want = R.quantize_dual_ref(x)
+    for variant in (_misaligned(x), x.t().contiguous().t(), torch.stack([x, x], -1)[..., 0]):
+        row, col = P.quantize_dual(variant)
+        assert_same(row, want[0], "row")
+        assert_same(col, want[1], "col")
+    offs = torch.stack([_offs([10, 0, 86], "cuda"), _offs([1, 1, 1], "cuda")], 1)[:, 0]
+    row, col = P.quantize_dual(x, offs=offs)  # strided offs
+    assert_same(row, R.quantize_rowwise_ref(x, offs=offs.contiguous()), "offs/row")
+    assert_same(col, R.quantize_colwise_ref(x, offs=offs.contiguous()), "offs/col")
+    xg = x.float().requires_grad_()
+    with pytest.raises(ValueError, match="requires grad"):
+        P.quantize_colwise(xg)
+    with torch.no_grad():
+        assert_same(P.quantize_colwise(xg), R.quantize_colwise_ref(xg.detach()), "no_grad")
