@@ -1,4 +1,4 @@
-"""Grouped MXFP8 GEMM (sm90 kernel, both scale modes) vs torch._grouped_mm bf16 and
+"""Grouped MXFP8 GEMM (sm90 kernel, every scale-block recipe) vs torch._grouped_mm bf16 and
 torch._scaled_grouped_mm fp8 rowwise, for the MoE gate+up GEMM (N = 2f) of three models.
 
     python -m benchmarks.bench_grouped_gemm [--json out.json] [--shapes dsv3,qwen3,mixtral]
@@ -85,7 +85,44 @@ def _fp8_rowwise_grouped(x: torch.Tensor, sizes: list[int]):
     return q, s.reshape(-1)
 
 
-def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda") -> dict:
+# MXFP8 kernel modes timed per GEMM: name -> (scale_blocks recipe, tuning overrides).
+# "1x128o"/"1x128seq": the promotion of k-tile 2p under the wgmmas of 2p+1, or not;
+# "1x128c2"/"1x128c1": 2-CTA clusters with TMA multicast of A, or not.
+MODES = {
+    "1x32": ("1x32", None),
+    "32x32": ("32x32", None),
+    "1x128": ("1x128", None),  # the defaults (M-grouped: overlapped promotion; K: 2-CTA clusters)
+    "1x128seq": ("1x128", {"overlap_promotion": False}),
+    "1x128o": ("1x128", {"overlap_promotion": True}),
+    "1x128c1": ("1x128", {"cluster_n": 1}),
+    "1x128c2": ("1x128", {"cluster_n": 2}),
+    "1x128oc2": ("1x128", {"overlap_promotion": True, "cluster_n": 2}),
+    # the same pipeline, tiles and wgmmas without any promotion (results wrong on purpose): the
+    # feed + tensor-core limit of the 128x128-tile design, in the same run
+    "skel": ("1x32", {"diag": "no_promote"}),
+}
+DEFAULT_MODES = "1x32,32x32,1x128,1x128o"
+REPS = {"reps": 30, "rounds": 5}  # bench_us arguments (--reps, --rounds)
+
+
+def _sqnr(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """10 log10(|ref|^2 / |out - ref|^2) in dB (torchao's measure, vs the bf16 GEMM)."""
+    ref = ref.float()
+    return float(10 * torch.log10(ref.pow(2).sum() / (out.float() - ref).pow(2).sum()))
+
+
+def _operands(op, recipe, x, dy, w, offs):
+    """(a, b) of one GEMM quantized by the reference quantizers in ``recipe``."""
+    if op in ("fprop", "dgrad"):
+        src, axis = (x, "K") if op == "fprop" else (dy, "N")
+        a = R.quantize_rowwise_ref(src, offs=offs, scale_blocks=recipe)
+        return a, R.quantize_weights_ref(w, axis=axis, block_rows=R.WEIGHT_BLOCK_ROWS[recipe])
+    return (R.quantize_colwise_ref(dy, offs=offs, scale_blocks=recipe),
+            R.quantize_colwise_ref(x, offs=offs, scale_blocks=recipe))
+
+
+def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda",
+             modes: str = DEFAULT_MODES) -> dict:
     from moe_mxfp8.kernels import grouped_gemm_sm90 as K
 
     n2 = 2 * f
@@ -95,70 +132,61 @@ def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda") -> dict:
     res = {"op": op, "E": e, "T": t, "d": d, "f": f, "flops": flops}
     torch.manual_seed(1)
     w = torch.randn(e, n2, d, device=dev, dtype=torch.bfloat16) * 0.02
-    if op == "fprop":
-        x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
-        a = R.quantize_rowwise_ref(x, offs=offs)
-        bs = {br: R.quantize_weights_ref(w, axis="K", block_rows=br) for br in (1, 32)}
-        fn = K.grouped_mm_m
-        bf16 = (x, w.transpose(-2, -1))
-        ref_pair = (a.dequantize(torch.bfloat16), bs[1].dequantize(torch.bfloat16)
-                    .transpose(-2, -1))
-    elif op == "dgrad":
-        dy = torch.randn(t, n2, device=dev, dtype=torch.bfloat16)
-        a = R.quantize_rowwise_ref(dy, offs=offs)
-        bs = {br: R.quantize_weights_ref(w, axis="N", block_rows=br) for br in (1, 32)}
-        fn = K.grouped_mm_m
-        bf16 = (dy, w)
-        ref_pair = (a.dequantize(torch.bfloat16), bs[1].dequantize(torch.bfloat16)
-                    .transpose(-2, -1))
-    elif SYNTHETIC_K or op == "wgrad":
-        # unaligned group starts: torch._grouped_mm on T-contiguous operands asserts (it needs
-        # 16-byte aligned groups), so no at-scale check here; the tests cover correctness
-        # random fp8 bytes and random (finite) scale bytes in the packed layout: timing only
-        dy = torch.randn(t, n2, device=dev, dtype=torch.bfloat16)
-        x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
-        a = _synthetic_k(dy.t().contiguous(), offs)
-        bs = {1: _synthetic_k(x.t().contiguous(), offs)}
-        fn = K.grouped_mm_k
-        bf16 = (dy.t(), x)
-        ref_pair = None
-    else:
-        dy = torch.randn(t, n2, device=dev, dtype=torch.bfloat16)
-        x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
-        a = R.quantize_colwise_ref(dy, offs=offs)
-        bs = {1: R.quantize_colwise_ref(x, offs=offs)}
-        # 16-aligned groups, as MXFP8MoE gives them: the kernel skips the re-layout gather
-        # (the "wgrad" row, with unaligned groups, includes it)
-        fn = functools.partial(K.grouped_mm_k, groups_aligned=True)
-        bf16 = (dy.t(), x)
-        ref_pair = (a.dequantize(torch.bfloat16), bs[1].dequantize(torch.bfloat16).t())
-    del w
-
-    # correctness at scale (1x32 mode) vs a bf16 grouped GEMM of the dequantized operands
-    out = fn(a, bs[1], offs, torch.bfloat16)
-    torch.cuda.synchronize()
-    if ref_pair is not None:
-        ref = torch._grouped_mm(ref_pair[0], ref_pair[1], offs=offs)
-        res["rel_err_vs_dequant_bf16"] = _rel(out, ref)
-        del ref
-    del out, ref_pair
-
-    for br, b in bs.items():
+    x = torch.randn(t, d, device=dev, dtype=torch.bfloat16) if op != "dgrad" else None
+    dy = torch.randn(t, n2, device=dev, dtype=torch.bfloat16) if op != "fprop" else None
+    bf16 = {"fprop": (x, w.transpose(-2, -1)), "dgrad": (dy, w)}.get(op) or (dy.t(), x)
+    recipes = sorted({MODES[m][0] for m in modes.split(",")})
+    if op == "wgrad":
+        recipes = ["1x32"]  # unaligned groups: the 1x32 kernel incl. its re-layout gather
+    if op in ("fprop", "dgrad", "wgrad16"):
+        bf16_out = torch._grouped_mm(*bf16, offs=offs)
+    for recipe in recipes:
+        if op == "wgrad" and SYNTHETIC_K:
+            a, b = _synthetic_k(dy.t().contiguous(), offs), _synthetic_k(x.t().contiguous(), offs)
+        else:
+            a, b = _operands(op, recipe, x, dy, w, offs)
+        if op in ("fprop", "dgrad"):
+            fn = K.grouped_mm_m
+        else:
+            # wgrad16: 16-aligned groups as MXFP8MoE gives them (no re-layout gather); the
+            # "wgrad" row has unaligned groups and includes the gather
+            fn = functools.partial(K.grouped_mm_k, groups_aligned=op == "wgrad16",
+                                   scale_blocks=recipe)
+        real = [m for m in modes.split(",") if MODES[m][0] == recipe
+                and "diag" not in (MODES[m][1] or {})]
+        if op != "wgrad" and real:
+            # at scale: vs a bf16 grouped GEMM of the dequantized operands, and SQNR vs the
+            # bf16 GEMM of the unquantized inputs
+            out = fn(a, b, offs, torch.bfloat16)
+            da = a.dequantize(torch.bfloat16)
+            db = b.dequantize(torch.bfloat16)
+            ref = torch._grouped_mm(da, db.transpose(-2, -1) if db.dim() == 3 else db.t(),
+                                    offs=offs)
+            res[f"rel_err_{recipe}"] = _rel(out, ref)
+            res[f"sqnr_{recipe}"] = _sqnr(out, bf16_out)
+            del out, da, db, ref
         b2 = type(b)(b.data.clone(), b.scale.clone(), b.scale_layout, b.offs, b.group_axis,
                      b.block_rows)
         rot = Rotating([(a, b), (a, b2)])
+        for mode in modes.split(","):
+            r, tuning = MODES[mode]
+            if r != recipe:
+                continue
 
-        def run(fn=fn, rot=rot):
-            aa, bb = rot.next()
-            return fn(aa, bb, offs, torch.bfloat16)
+            def run(rot=rot, tuning=tuning, fn=fn):
+                aa, bb = rot.next()
+                return fn(aa, bb, offs, torch.bfloat16, tuning=tuning)
 
-        us = bench_us(run)
-        res[f"mx_{br}x32_us"] = us
-        del b2, rot
+            try:
+                res[f"mx_{mode}_us"] = bench_us(run, **REPS)
+            except Exception as err:  # noqa: BLE001
+                res[f"mx_{mode}_err"] = repr(err)[:200]
+        del a, b, b2, rot
+    del w
 
     rot = Rotating([bf16, (bf16[0].clone(), bf16[1].clone())])
     try:
-        res["bf16_us"] = bench_us(lambda: torch._grouped_mm(*rot.next(), offs=offs))
+        res["bf16_us"] = bench_us(lambda: torch._grouped_mm(*rot.next(), offs=offs), **REPS)
     except Exception as err:  # noqa: BLE001
         res["bf16_err"] = repr(err)[:200]
     del rot
@@ -168,9 +196,10 @@ def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda") -> dict:
         out = _fp8_mm(fp8, offs)
         ref = torch._grouped_mm(*bf16, offs=offs)
         res["fp8_rel_err_vs_bf16"] = _rel(out, ref)
+        res["fp8_sqnr"] = _sqnr(out, ref)
         del out, ref
         rot = Rotating([fp8, _clone_fp8(fp8)])
-        res["fp8_rowwise_us"] = bench_us(lambda: _fp8_mm(rot.next(), offs))
+        res["fp8_rowwise_us"] = bench_us(lambda: _fp8_mm(rot.next(), offs), **REPS)
     except Exception as err:  # noqa: BLE001
         res["fp8_err"] = repr(err)[:200]
     torch.cuda.empty_cache()
@@ -382,6 +411,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"of {','.join(MODES)}")
+    ap.add_argument("--reps", type=int, default=30, help="calls per timed CUDA-graph replay")
+    ap.add_argument("--rounds", type=int, default=5, help="timed replays (median)")
     args = ap.parse_args()
     global SYNTHETIC_K
     SYNTHETIC_K = args.synthetic_k
@@ -395,12 +427,14 @@ def main():
         profile(op, shape, int(br), int(rows))
         return
     info = device_info()
+    REPS.update(reps=args.reps, rounds=args.rounds)
+    modes = [m for m in args.modes.split(",") if m]
     rows = []
     for name in args.shapes.split(","):
         e, t, d, f = SHAPES[name]
         for op in args.ops.split(","):
             try:
-                r = bench_op(op, e, t, d, f)
+                r = bench_op(op, e, t, d, f, modes=",".join(modes))
             except Exception as err:  # noqa: BLE001
                 print(f"{name} {op} FAILED: {err!r}"[:300], flush=True)
                 continue
@@ -408,24 +442,23 @@ def main():
             rows.append(r)
             print(json.dumps(r), flush=True)
     print(f"\n{info['gpu']} {info['date']} torch {info['torch']}")
-    hdr = ("shape", "op", "mx1x32 us", "TF/s", "mx32x32 us", "TF/s", "bf16 us", "TF/s",
-           "fp8row us", "TF/s", "x bf16 (1x32)", "x bf16 (32x32)", "relerr", "fp8row relerr")
+    print("us (x bf16) per kernel mode; SQNR dB vs the bf16 GEMM of the unquantized inputs")
+    hdr = ["shape", "op", "bf16 us", "fp8row us (x)"] + [f"{m} us (x)" for m in modes] + [
+        "SQNR 1x32/1x128/fp8row", "relerr 1x128"]
     print(" | ".join(hdr))
     for r in rows:
-        def tf(key, r=r):
-            return f"{r['flops'] / r[key] / 1e6:.0f}" if key in r else "-"
+        bf = r.get("bf16_us")
 
-        def us(key, r=r):
-            return f"{r[key]:.0f}" if key in r else "-"
+        def cell(key, r=r, bf=bf):
+            if key not in r:
+                return "-"
+            return f"{r[key]:.0f} ({bf / r[key]:.2f})" if bf else f"{r[key]:.0f}"
 
-        sp1 = f"{r['bf16_us'] / r['mx_1x32_us']:.2f}" if "bf16_us" in r else "-"
-        sp32 = (f"{r['bf16_us'] / r['mx_32x32_us']:.2f}"
-                if "bf16_us" in r and "mx_32x32_us" in r else "-")
-        print(" | ".join([r["shape"], r["op"], us("mx_1x32_us"), tf("mx_1x32_us"),
-                          us("mx_32x32_us"), tf("mx_32x32_us"), us("bf16_us"), tf("bf16_us"),
-                          us("fp8_rowwise_us"), tf("fp8_rowwise_us"), sp1, sp32,
-                          f"{r.get('rel_err_vs_dequant_bf16', float('nan')):.1e}",
-                          f"{r.get('fp8_rel_err_vs_bf16', float('nan')):.1e}"]))
+        sq = "/".join(f"{r[k]:.1f}" if k in r else "-"
+                      for k in ("sqnr_1x32", "sqnr_1x128", "fp8_sqnr"))
+        print(" | ".join([r["shape"], r["op"], f"{bf:.0f}" if bf else "-",
+                          cell("fp8_rowwise_us")] + [cell(f"mx_{m}_us") for m in modes]
+                         + [sq, f"{r.get('rel_err_1x128', float('nan')):.1e}"]))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": info, "rows": rows}, fh, indent=1)

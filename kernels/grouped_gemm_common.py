@@ -157,8 +157,8 @@ def check_implementable(problem: GroupedProblem, *, n_multiple: int = 32, k_mult
                              f"multiple of {mult} for this kernel")
     if p.n == 0 or p.k == 0:
         raise ValueError("grouped GEMM: N and K must be positive")
-    if p.b_block_rows not in (1, 32):
-        raise ValueError(f"b.block_rows must be 1 or 32, got {p.b_block_rows}")
+    if p.b_block_rows not in (1, 32, 128):  # 128: the 1x128 recipe's 128x128 weight tiles
+        raise ValueError(f"b.block_rows must be 1, 32 or 128, got {p.b_block_rows}")
     if p.mode == MODE_K and p.b_block_rows != 1:
         raise ValueError("K-grouped GEMM operands use 1x32 blocks only")
     if p.m >= 2**31 or p.m * max(p.n, p.k) >= 2**40:

@@ -47,6 +47,15 @@ Scale modes: 1x32 x 1x32 (default; the row scale times the column scale is forme
 2 FP32 ops per element per k-step) and the 32x32 weight mode (``b.block_rows == 32``: one
 column scale per 32 output columns, so the 8 distinct products per thread are formed once and
 promotion is one FFMA per element).
+
+The 1x128 recipe (``promote_k = 128``; docs/numerics.md "The 1x128 recipe"): one scale per 128
+elements of the reduced axis on both sides (M-grouped: 128x128 weight tiles), so the 4 wgmmas
+of a k-tile accumulate in the tensor core and the promotion runs once per k-tile -- 4x fewer
+FP32 operations (64 FFMA per thread per k-tile M-grouped, + 64 FMUL K-grouped). M-grouped, the
+promotion of k-tile 2p overlaps the wgmmas of 2p+1 (`consumer_k128_overlapped`). The scale
+warps check that the 4 replicated block bytes agree (otherwise the outputs become NaN).
+Measured: this kernel runs at the speed of its own pipeline without any promotion
+(docs/NOTES.md "The 1x128 recipe on Hopper").
 """
 
 from __future__ import annotations
@@ -94,15 +103,28 @@ SFA_STRIDE = TILE_M  # fp32 row scales per block
 SFB_Q_STRIDE = TILE_N // 4 + 4  # 32 column scales per lane%4 group + 4 pad (bank spread)
 SFB_STRIDE = 4 * SFB_Q_STRIDE
 PROD_STRIDE = (TILE_M // 2) * 8  # 32x32 mode: 64 thread-row pairs x 8 products per block
+# elements of K between two promotions: 32 = every wgmma (1x32 / 32x32 scales); 128 = the 1x128
+# recipe: the 4 wgmmas of a k-tile accumulate in the tensor core, one promotion per k-tile
+PROMOTE_INTERVALS = (MMA_K, TILE_K)
+B_BLOCK_ROWS = (1, 32, TILE_N)  # 1x32 blocks, 32x32 tiles, 128x128 tiles (promote_k = 128)
 
 
 @dataclass(frozen=True)
 class Sm90GroupedGemmConfig:
-    """Compile-time choices. ``variant``: "m" or "k"; ``b_block_rows``: 1 or 32."""
+    """Compile-time choices. ``variant``: "m" or "k"; ``b_block_rows``: 1, 32 or 128;
+    ``promote_k``: 32 or 128 (the 1x128 recipe: M-grouped needs 128x128 weight tiles)."""
 
     variant: str = "m"
     out_dtype: str = "bfloat16"  # "bfloat16" or "float32"
     b_block_rows: int = 1
+    promote_k: int = MMA_K
+    # promote_k = 128: issue the wgmmas of two k-tiles, then promote the first while the
+    # second's run (two temporaries, k-loop unrolled by two) instead of waiting for each
+    # k-tile's wgmmas before promoting it (then only the other consumer warpgroup's wgmmas
+    # overlap the promotion). None: on for M-grouped, off for K-grouped. Measured (H100,
+    # 2026-11-23, benchmarks/RESULTS.md): M-grouped -2..+9% (mixtral fprop 10984 -> 10098 us),
+    # K-grouped -2..0%.
+    overlap_promotion: bool | None = None
     stages: int = 0  # 0: as many as fit in shared memory (<= MAX_STAGES)
     double_tmp: bool = True  # two temporaries: promote step j while wgmma j+1 runs
     # k-tiles of packed scale words each scale warp keeps in flight. Measured (H100, fprop
@@ -140,10 +162,16 @@ class Sm90GroupedGemmConfig:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.b_block_rows not in (1, 32):
-            raise ValueError("b_block_rows must be 1 or 32")
+        if self.b_block_rows not in B_BLOCK_ROWS:
+            raise ValueError(f"b_block_rows must be one of {B_BLOCK_ROWS}")
+        if self.promote_k not in PROMOTE_INTERVALS:
+            raise ValueError(f"promote_k must be one of {PROMOTE_INTERVALS}")
         if self.variant == "k" and self.b_block_rows != 1:
-            raise ValueError("the K-grouped variant uses 1x32 blocks only")
+            raise ValueError("the K-grouped variant uses per-row (1xK) blocks only")
+        if self.variant == "m" and (self.b_block_rows == TILE_N) != (self.promote_k == TILE_K):
+            raise ValueError("M-grouped: promote_k = 128 goes with 128x128 weight tiles")
+        if self.promote_k == TILE_K and self.diag:
+            raise ValueError("diag modes measure the promote_k = 32 kernel")
         if self.scale_lookahead < 1:
             raise ValueError("scale_lookahead must be >= 1")
         if self.cluster_n not in (1, 2):
@@ -163,6 +191,13 @@ class Sm90GroupedGemm:
         self.cfg = config
         self.is_m = config.variant == "m"
         self.block32 = config.b_block_rows == 32
+        # 1x128 recipe: one promotion per k-tile; with 128x128 weight tiles the scale warps
+        # write the row scale x tile scale products, so the promotion is 1 FFMA per element
+        self.k128 = config.promote_k == TILE_K
+        self.tile128 = config.b_block_rows == TILE_N
+        self.sblocks = 1 if self.k128 else BLOCKS_PER_KTILE  # scale blocks per stage
+        self.overlap = (self.is_m if config.overlap_promotion is None
+                        else config.overlap_promotion)
         self.hoist_scales = self.block32 if config.hoist_scales is None else config.hoist_scales
         self.out_dtype = _cutlass_out_dtype(config.out_dtype)
         self.ab_dtype = cutlass.Float8E4M3FN
@@ -171,8 +206,8 @@ class Sm90GroupedGemm:
         # the sSFA region instead of the row and column scales (see scale_producer)
         self.products = self.block32 and config.scale_products is not False
         self.sfa_stride = PROD_STRIDE if self.products else SFA_STRIDE
-        self.sfb_stride = 4 if self.products else SFB_STRIDE
-        sf_stage_bytes = BLOCKS_PER_KTILE * (self.sfa_stride + self.sfb_stride) * 4
+        self.sfb_stride = 4 if self.products or self.tile128 else SFB_STRIDE
+        sf_stage_bytes = self.sblocks * (self.sfa_stride + self.sfb_stride) * 4
         self.stage_bytes = ab_stage_bytes + sf_stage_bytes
         cap = utils.get_smem_capacity_in_bytes("sm_90")
         self.stages = config.stages or min(MAX_STAGES, (cap - SMEM_RESERVE) // self.stage_bytes)
@@ -190,16 +225,20 @@ class Sm90GroupedGemm:
 
         return one(TILE_M), one(TILE_N)
 
+    def _make_tiled_mma(self):
+        """Two consumer warpgroups, each m64 n128 k32 fp8 wgmma with K-major operands."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            Float32, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, TILE_N),
+        )
+
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOut: cute.Tensor, sfA: cute.Tensor,
                  sfB: cute.Tensor, offs: cute.Tensor, stream):
         """``m``: mA (M, K), mB (N, K, E), mOut (M, N). ``k``: mA (N, M), mB (K, M),
         mOut (N, K, E). sfA/sfB: packed scales as int32 words. offs: (E,) int32."""
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype,
-            cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.K,
-            Float32, (NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, TILE_N),
-        )
+        self.tiled_mma = self._make_tiled_mma()
         a_layout, b_layout = self._smem_layouts()
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         cl = self.cfg.cluster_n
@@ -224,8 +263,8 @@ class Sm90GroupedGemm:
         grid = (clusters * cl, 1, 1)
 
         stages = self.stages
-        sfa_words = stages * BLOCKS_PER_KTILE * self.sfa_stride
-        sfb_words = stages * BLOCKS_PER_KTILE * self.sfb_stride
+        sfa_words = stages * self.sblocks * self.sfa_stride
+        sfb_words = stages * self.sblocks * self.sfb_stride
 
         @cute.struct
         class SharedStorage:
@@ -278,9 +317,9 @@ class Sm90GroupedGemm:
         sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         sSFA = storage.sSFA.get_tensor(
-            cute.make_layout((self.sfa_stride, BLOCKS_PER_KTILE, self.stages)))
+            cute.make_layout((self.sfa_stride, self.sblocks, self.stages)))
         sSFB = storage.sSFB.get_tensor(
-            cute.make_layout((self.sfb_stride, BLOCKS_PER_KTILE, self.stages)))
+            cute.make_layout((self.sfb_stride, self.sblocks, self.stages)))
 
         # ---- persistent tile loop: every role of every CTA walks the same tiles
         # t = bidx, bidx + grid, ... (n-tile fastest, so concurrent CTAs share A rows in L2);
@@ -551,7 +590,9 @@ class Sm90GroupedGemm:
                     stage = pos % self.stages
                     # producer phase starts at 1 (make_pipeline_state) and flips per wrap
                     pipe.sync_object_empty.wait(stage, ((pos // self.stages) % 2) ^ 1)
-                    if cutlass.const_expr(self.products):
+                    if cutlass.const_expr(self.k128):
+                        self.write_scales_128(sSFA, sSFB, wa, wb, s, stage, lane)
+                    elif cutlass.const_expr(self.products):
                         self.write_products(sSFA, wa, wb, s, stage, lane)
                     else:
                         self.write_scales(sSFA, sSFB, wa, wb, s, stage, lane)
@@ -571,6 +612,43 @@ class Sm90GroupedGemm:
             for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
                 sSFA[pos_a, c, stage] = _e8m0_to_f32((wa[w, slot] >> (8 * c)) & 0xFF)
                 sSFB[pos_b, c, stage] = _e8m0_to_f32((wb[w, slot] >> (8 * c)) & 0xFF)
+
+    @cute.jit
+    def write_scales_128(self, sSFA: cute.Tensor, sSFB: cute.Tensor, wa: cute.Tensor,
+                         wb: cute.Tensor, slot: cutlass.Constexpr[int], stage: Int32,
+                         lane: Int32):
+        """1x128 recipe: one scale per row (and per column, or per 128x128 B tile) per k-tile.
+
+        The packed tiles hold each row's 4 block bytes, which this recipe makes equal (the
+        128-block's scale, replicated; blocks past a group's or K's end are 0 = pad): the scale
+        is their maximum, and bytes that disagree (an operand not quantized 1x128) give NaN, so
+        a wrong operand cannot give a plausible result. With 128x128 weight tiles, B's scale is
+        row 0's byte (every byte of the tile equals it or is pad) and the scale warps store the
+        products row scale x tile scale at ``pos_a(r)``; otherwise row scales at ``pos_a(r)``
+        and column scales at ``pos_b(c)`` as in 1x32 mode.
+        """
+        bt = Float32(1.0)
+        if cutlass.const_expr(self.tile128):
+            ref = cute.arch.shuffle_sync(wb[0, slot], 0) & 0xFF
+            bad = Int32(0)
+            for w in cutlass.range_constexpr(4):
+                for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                    b = (wb[w, slot] >> (8 * c)) & 0xFF
+                    bad = bad | (b * (ref - b))  # 0 iff b is the tile's byte or pad (0)
+            tile_byte = ref
+            if cute.arch.vote_any_sync(bad != 0):
+                tile_byte = Int32(E8M0_NAN)
+            bt = _e8m0_to_f32(tile_byte)
+        for w in cutlass.range_constexpr(4):
+            r = lane + 32 * w
+            pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
+            sa = _e8m0_to_f32(_block128_byte(wa[w, slot]))
+            if cutlass.const_expr(self.tile128):
+                sSFA[pos_a, 0, stage] = sa * bt
+            else:
+                sSFA[pos_a, 0, stage] = sa
+                pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
+                sSFB[pos_b, 0, stage] = _e8m0_to_f32(_block128_byte(wb[w, slot]))
 
     @cute.jit
     def write_products(self, sSFA: cute.Tensor, wa: cute.Tensor, wb: cute.Tensor,
@@ -654,42 +732,136 @@ class Sm90GroupedGemm:
         pos_a = ((cwg * 4 + warp_in_wg) * 8 + lane // 4) * 2
         q = lane % 4
 
-        for kt in range(k_tiles):
-            pipe.consumer_wait(state)
-            stage = state.index
-            if cutlass.const_expr(not self.is_m):
-                # (the slow copy path zero-fills past the group end itself)
-                if kt == k_tiles - 1 and tok_valid_last < TILE_K and row0 % TMA_INNER_ALIGN == 0:
-                    self.zero_tail(sA, sB, stage, ct, tok_valid_last)
-            if cutlass.const_expr(self.cfg.diag == "no_promote"):
-                for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        if cutlass.const_expr(self.k128 and self.overlap):
+            state = self.consumer_k128_overlapped(
+                pipe, state, tiled_mma, acc, tmp0, tmp1, tCrA, tCrB, sA, sB, sSFA, sSFB, ct,
+                pos_a, q, row0, k_tiles, tok_valid_last)
+        else:
+            for kt in range(k_tiles):
+                pipe.consumer_wait(state)
+                stage = state.index
+                if cutlass.const_expr(not self.is_m):
+                    # (the slow copy path zero-fills past the group end itself)
+                    if (kt == k_tiles - 1 and tok_valid_last < TILE_K
+                            and row0 % TMA_INNER_ALIGN == 0):
+                        self.zero_tail(sA, sB, stage, ct, tok_valid_last)
+                if cutlass.const_expr(self.k128):
+                    # 1x128: the k-tile's 4 wgmmas accumulate in the tensor core (one scale for
+                    # all of them), then one promotion per k-tile. The scales are in smem already
+                    # (same full barrier), so they load while the wgmmas run.
+                    sa0, sa1, sb = self.load_scales(sSFA, sSFB, stage, 0, pos_a, q)
                     cute.nvgpu.warpgroup.fence()
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, blk, stage)],
-                              tCrB[(None, None, blk, stage)], acc)
+                    for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, blk != 0)
+                        cute.gemm(tiled_mma, tmp0, tCrA[(None, None, blk, stage)],
+                                  tCrB[(None, None, blk, stage)], tmp0)
                     cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-            elif cutlass.const_expr(self.cfg.double_tmp):
-                # tmp0 takes blocks 0, 2 and tmp1 blocks 1, 3; block j is promoted while the
-                # wgmma of block j+1 runs. Scales are read before the wait (hoist_scales) so
-                # the shared-memory latency hides under the wgmma.
-                self.mma_step(tiled_mma, tmp0, tCrA, tCrB, 0, stage)
-                self.mma_step(tiled_mma, tmp1, tCrA, tCrB, 1, stage)
-                self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, 0, pos_a, q, 1)
-                self.mma_step(tiled_mma, tmp0, tCrA, tCrB, 2, stage)
-                self.wait_and_promote(acc, tmp1, sSFA, sSFB, stage, 1, pos_a, q, 1)
-                self.mma_step(tiled_mma, tmp1, tCrA, tCrB, 3, stage)
-                self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, 2, pos_a, q, 1)
-                self.wait_and_promote(acc, tmp1, sSFA, sSFB, stage, 3, pos_a, q, 0)
-            else:
-                for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-                    self.mma_step(tiled_mma, tmp0, tCrA, tCrB, blk, stage)
-                    self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, blk, pos_a, q, 0)
-            pipe.consumer_release(state)
-            state.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    self.promote(acc, tmp0, sa0, sa1, sb)
+                elif cutlass.const_expr(self.cfg.diag == "no_promote"):
+                    for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.fence()
+                        cute.gemm(tiled_mma, acc, tCrA[(None, None, blk, stage)],
+                                  tCrB[(None, None, blk, stage)], acc)
+                        cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                elif cutlass.const_expr(self.cfg.double_tmp):
+                    # tmp0 takes blocks 0, 2 and tmp1 blocks 1, 3; block j is promoted while the
+                    # wgmma of block j+1 runs. Scales are read before the wait (hoist_scales) so
+                    # the shared-memory latency hides under the wgmma.
+                    self.mma_step(tiled_mma, tmp0, tCrA, tCrB, 0, stage)
+                    self.mma_step(tiled_mma, tmp1, tCrA, tCrB, 1, stage)
+                    self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, 0, pos_a, q, 1)
+                    self.mma_step(tiled_mma, tmp0, tCrA, tCrB, 2, stage)
+                    self.wait_and_promote(acc, tmp1, sSFA, sSFB, stage, 1, pos_a, q, 1)
+                    self.mma_step(tiled_mma, tmp1, tCrA, tCrB, 3, stage)
+                    self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, 2, pos_a, q, 1)
+                    self.wait_and_promote(acc, tmp1, sSFA, sSFB, stage, 3, pos_a, q, 0)
+                else:
+                    for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+                        self.mma_step(tiled_mma, tmp0, tCrA, tCrB, blk, stage)
+                        self.wait_and_promote(acc, tmp0, sSFA, sSFB, stage, blk, pos_a, q, 0)
+                pipe.consumer_release(state)
+                state.advance()
 
         self.epilogue(acc, mOut, cwg, warp_in_wg, lane, row0, row_end, bidx, bidy, grp)
         return state
+
+    @cute.jit
+    def consumer_k128_overlapped(self, pipe, state, tiled_mma: cute.TiledMma, acc: cute.Tensor,
+                                 tmp0: cute.Tensor, tmp1: cute.Tensor, tCrA: cute.Tensor,
+                                 tCrB: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
+                                 sSFA: cute.Tensor, sSFB: cute.Tensor, ct: Int32, pos_a: Int32,
+                                 q: Int32, row0: Int32, k_tiles: Int32, tok_valid_last: Int32):
+        """1x128 k-loop over pairs of k-tiles: the wgmmas of both are issued (into tmp0 and
+        tmp1), then k-tile 2p is promoted while those of 2p+1 run.
+
+        Straight-line code between the issue and the last wait of a pair: an accumulator whose
+        wgmma is in flight across a branch or loop edge makes ptxas serialise every wgmma
+        (seen in SASS: one ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` per wgmma, docs/NOTES.md), so
+        both stages are waited for (and tail-zeroed) before either is issued. ``rel`` trails
+        ``state`` and releases the stages in order.
+        """
+        rel = state.clone()
+        for p in range(k_tiles // 2):
+            kt = 2 * p
+            st0 = self.wait_ktile(pipe, state, sA, sB, ct, row0, kt, k_tiles, tok_valid_last)
+            state.advance()
+            st1 = self.wait_ktile(pipe, state, sA, sB, ct, row0, kt + 1, k_tiles,
+                                  tok_valid_last)
+            state.advance()
+            self.issue_ktile(tmp0, tCrA, tCrB, st0)
+            self.issue_ktile(tmp1, tCrA, tCrB, st1)
+            rel = self.finish_ktile(pipe, rel, acc, tmp0, sSFA, sSFB, pos_a, q, 1)
+            rel = self.finish_ktile(pipe, rel, acc, tmp1, sSFA, sSFB, pos_a, q, 0)
+        if k_tiles % 2 == 1:
+            st0 = self.wait_ktile(pipe, state, sA, sB, ct, row0, k_tiles - 1, k_tiles,
+                                  tok_valid_last)
+            state.advance()
+            self.issue_ktile(tmp0, tCrA, tCrB, st0)
+            rel = self.finish_ktile(pipe, rel, acc, tmp0, sSFA, sSFB, pos_a, q, 0)
+        return state
+
+    @cute.jit
+    def wait_ktile(self, pipe, state, sA: cute.Tensor, sB: cute.Tensor, ct: Int32, row0: Int32,
+                   kt: Int32, k_tiles: Int32, tok_valid_last: Int32) -> Int32:
+        """Wait for k-tile ``kt``'s stage (K-grouped: zero a group's tail); its index."""
+        pipe.consumer_wait(state)
+        stage = state.index
+        if cutlass.const_expr(not self.is_m):
+            if kt == k_tiles - 1 and tok_valid_last < TILE_K and row0 % TMA_INNER_ALIGN == 0:
+                self.zero_tail(sA, sB, stage, ct, tok_valid_last)
+        return stage
+
+    @cute.jit
+    def issue_ktile(self, tmp: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+                    stage: Int32):
+        """Issue the 4 wgmmas of the k-tile in ``stage`` into ``tmp`` (one commit group).
+
+        The ACCUMULATE flag is a value of the tiled MMA that ``set`` replaces: a tiled MMA made
+        here keeps those values inside this call's control-flow region (the caller's, set
+        inside a loop, would not dominate its next use outside)."""
+        tiled_mma = self._make_tiled_mma()
+        cute.nvgpu.warpgroup.fence()
+        for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, blk != 0)
+            cute.gemm(tiled_mma, tmp, tCrA[(None, None, blk, stage)],
+                      tCrB[(None, None, blk, stage)], tmp)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def finish_ktile(self, pipe, rel, acc: cute.Tensor, tmp: cute.Tensor, sSFA: cute.Tensor,
+                     sSFB: cute.Tensor, pos_a: Int32, q: Int32,
+                     pending: cutlass.Constexpr[int]):
+        """Wait until ``tmp``'s wgmmas are done (``pending`` groups may stay in flight),
+        promote it with the scales of stage ``rel`` and release that stage."""
+        cute.nvgpu.warpgroup.wait_group(pending)
+        sa0, sa1, sb = self.load_scales(sSFA, sSFB, rel.index, 0, pos_a, q)
+        self.promote(acc, tmp, sa0, sa1, sb)
+        pipe.consumer_release(rel)
+        rel.advance()
+        return rel
 
     @cute.jit
     def mma_step(self, tiled_mma: cute.TiledMma, tmp: cute.Tensor, tCrA: cute.Tensor,
@@ -725,7 +897,13 @@ class Sm90GroupedGemm:
         1x32: ``sb`` holds the thread's 32 column scales (8 x 16-byte loads); 32x32: ``sb``
         holds the 8 products row scale x column-group scale (4 column groups x 2 rows).
         """
-        if cutlass.const_expr(self.products):
+        if cutlass.const_expr(self.tile128):
+            # row scale x tile scale of this thread's rows r0, r0 + 8 (write_scales_128)
+            sa0 = sSFA[pos_a, blk, stage]
+            sa1 = sSFA[pos_a + 1, blk, stage]
+            sb = cute.make_rmem_tensor((1,), Float32)
+            sb[0] = Float32(1.0)
+        elif cutlass.const_expr(self.products):
             # the 8 products written by write_products (pos_a // 2 = this thread's r0 index)
             sa0 = Float32(1.0)
             sa1 = Float32(1.0)
@@ -758,7 +936,10 @@ class Sm90GroupedGemm:
         Accumulator fragment of wgmma m64nN (fp32): value i sits at row ``lane/4 + 8*((i/2)%2)``
         and column ``8*(i/4) + 2*(lane%4) + i%2`` of the warp's 16-row slab.
         """
-        if cutlass.const_expr(self.block32):
+        if cutlass.const_expr(self.tile128):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + tmp[i] * (sa0 if (i // 2) % 2 == 0 else sa1)
+        elif cutlass.const_expr(self.block32):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = acc[i] + tmp[i] * sb[((i // 2) % 2) * (TILE_N // 32) + (i // 4) // 4]
         else:
@@ -800,11 +981,27 @@ def _e8m0_to_f32(byte: Int32) -> Float32:
     return bits.bitcast(Float32)
 
 
+@cute.jit
+def _block128_byte(word: Int32) -> Int32:
+    """A packed word's 4 block bytes of one row -> its 1x128 scale byte: their maximum, or
+    0xFF (NaN) unless every byte equals it or is 0 (pad past a group's or K's end)."""
+    top = Int32(0)
+    for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+        top = cutlass.max(top, (word >> (8 * c)) & 0xFF)
+    bad = Int32(0)
+    for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
+        b = (word >> (8 * c)) & 0xFF
+        bad = bad | (b * (top - b))
+    if bad != 0:
+        top = Int32(E8M0_NAN)
+    return top
+
+
 # ---------------------------------------------------------------------------------------------
 # host entry points
 # ---------------------------------------------------------------------------------------------
 
-_CACHE = CompileCache()
+_CACHE = CompileCache("grouped_gemm_sm90")
 
 
 def _dyn(t: torch.Tensor, leading_dim: int):
@@ -873,7 +1070,7 @@ def _tuned(cfg: Sm90GroupedGemmConfig, tuning: dict | None) -> Sm90GroupedGemmCo
     """``cfg`` with the tuning fields of ``tuning`` (benchmarks/tune_grouped_gemm_sm90.py)."""
     if not tuning:
         return cfg
-    fixed = {"variant", "out_dtype", "b_block_rows"}
+    fixed = {"variant", "out_dtype", "b_block_rows", "promote_k"}
     if fixed & set(tuning):
         raise ValueError(f"tuning may not change {sorted(fixed & set(tuning))}")
     return dataclasses.replace(cfg, **tuning)
@@ -885,14 +1082,18 @@ def grouped_mm_m(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat
 
     ``out`` (optional, tests): a preallocated output that the kernel overwrites entirely.
     ``tuning`` (optional, benchmarks): overrides of `Sm90GroupedGemmConfig`'s tuning fields.
+    128x128 weight tiles (``b.block_rows == 128``) select the 1x128 recipe (one promotion per
+    k=128); ``a`` must then be quantized 1x128 along K (otherwise the kernel's scale check
+    makes the affected outputs NaN).
     """
     p = GC.describe_m(a, b, offs, out_dtype)
     GC.check_implementable(p, n_multiple=32, k_multiple=32)
     out = _output(p, out)
     if p.m == 0:
         return out
+    promote_k = TILE_K if b.block_rows == TILE_N else MMA_K
     cfg = _tuned(Sm90GroupedGemmConfig("m", str(out_dtype).split(".")[-1], b.block_rows,
-                                       max_ctas=_sm_count(out)), tuning)
+                                       promote_k, max_ctas=_sm_count(out)), tuning)
     cfg = _fit_cluster(cfg, p, out)
     tensors = [(a.data, 1), (b.data.permute(1, 2, 0), 1), (out, 1), (_words(a.scale), 0),
                (_words(b.scale), 0), (offs, 0)]
@@ -901,8 +1102,13 @@ def grouped_mm_m(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat
 
 def grouped_mm_k(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
                  out: torch.Tensor | None = None, tuning: dict | None = None,
-                 groups_aligned: bool = False):
+                 groups_aligned: bool = False, scale_blocks: str = "1x32"):
     """2D x 2D K-grouped (wgrad) MXFP8 GEMM on sm_90a (see `moe_mxfp8.gemm.grouped_mm_k`).
+
+    ``scale_blocks="1x128"``: both operands quantized 1x128 along the tokens (blocks restart at
+    each group start, like the k-tiles): one promotion per k-tile (otherwise the kernel's scale
+    check makes the affected outputs NaN). "1x32" and "32x32" (whose activations are 1x32) are
+    the exact-MXFP8 kernel.
 
     TMA reads the tokens, so every group must start on a 16-token boundary: unless the caller
     says so (``groups_aligned=True``, e.g. `MXFP8MoE`, which pads its groups), the fp8 data of
@@ -922,8 +1128,14 @@ def grouped_mm_k(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat
     a_data, b_data = a.data, b.data
     if not groups_aligned:
         a_data, b_data, offs = GC.align_k_groups(a_data, b_data, offs)
-    cfg = _tuned(Sm90GroupedGemmConfig("k", str(out_dtype).split(".")[-1], 1,
-                                       max_ctas=_sm_count(out)), tuning)
+    if scale_blocks not in R.SCALE_BLOCKS:
+        raise ValueError(f"scale_blocks must be one of {R.SCALE_BLOCKS}, got {scale_blocks!r}")
+    promote_k = TILE_K if R.ACT_BLOCK[scale_blocks] == TILE_K else MMA_K
+    # 1x128: 2-CTA clusters (TMA multicast of A). With the promotion 4x cheaper the K-grouped
+    # kernel is feed-bound again: measured (H100, 2026-11-23) dsv3 wgrad16 13312 -> 11258 us
+    cluster_n = 2 if promote_k == TILE_K else 1
+    cfg = _tuned(Sm90GroupedGemmConfig("k", str(out_dtype).split(".")[-1], 1, promote_k,
+                                       cluster_n=cluster_n, max_ctas=_sm_count(out)), tuning)
     cfg = _fit_cluster(cfg, p, out)
     tensors = [(a_data, 1), (b_data, 1), (out.permute(1, 2, 0), 1), (_words(a.scale), 0),
                (_words(b.scale), 0), (offs, 0)]

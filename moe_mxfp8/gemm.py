@@ -1,7 +1,8 @@
 """Grouped MXFP8 GEMMs on quantized operands: argument checks, then reference or kernel.
 
 * `grouped_mm_m` -- 2D x 3D, M-grouped (fprop, dgrad): ``a`` rowwise ``(M, K)`` with row groups,
-  ``b`` expert weights ``(E, N, K)`` quantized along K -> ``(M, N)``.
+  ``b`` expert weights ``(E, N, K)`` quantized along K -> ``(M, N)``. Weights with 128x128
+  tiles (``b.block_rows == 128``) mark the 1x128 recipe (``a`` quantized 1x128 along K).
 * `grouped_mm_k` -- 2D x 2D, K-grouped (wgrad): ``a`` ``(N, M)`` and ``b`` ``(K, M)`` quantized
   along M with per-group blocks -> ``(E, N, K)``.
 
@@ -65,15 +66,22 @@ def grouped_mm_m(
 def grouped_mm_k(
     a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor, *,
     out_dtype: torch.dtype = torch.bfloat16, backend: str | None = "auto",
-    groups_aligned: bool = False,
+    groups_aligned: bool = False, scale_blocks: str = "1x32",
 ) -> torch.Tensor:
     """K-grouped ``out[g] = a[:, g] @ b[:, g].T``: ``(N, M) x (K, M) -> (E, N, K)``.
+
+    ``scale_blocks="1x128"``: both operands come from the 1x128 quantizers (one scale per 128
+    tokens of a group, replicated over its 32-blocks); the Hopper kernel then promotes once per
+    k-tile (and turns operands that are not 1x128 into NaN outputs, never into wrong numbers).
+    The result is the same GEMM of the same MXFP8 tensors on every backend.
 
     ``groups_aligned``: the caller guarantees that every group starts on a multiple of 16
     tokens and ``M % 16 == 0`` (as `MXFP8MoE` arranges); the kernels then skip re-laying the
     fp8 data out to such starts (a gather of both operands, ~6% of the GEMM at dsv3).
     """
     check_grouped_operands(a, b, offs, out_dtype)
+    if scale_blocks not in R.SCALE_BLOCKS:
+        raise ValueError(f"scale_blocks must be one of {R.SCALE_BLOCKS}, got {scale_blocks!r}")
     if a.group_axis != "k" or b.group_axis != "k":
         raise ValueError("grouped_mm_k needs operands quantized along M per group (offs=...)")
     if a.data.shape[1] != b.data.shape[1]:
@@ -83,4 +91,7 @@ def grouped_mm_k(
         return R.grouped_mm(a, b, offs, out_dtype)
     from .kernels import lookup
 
-    return lookup("grouped_mm_k", be)(a, b, offs, out_dtype, groups_aligned=groups_aligned)
+    kw = {}
+    if be == "sm90" and R.ACT_BLOCK[scale_blocks] != R.ACT_BLOCK["1x32"]:
+        kw["scale_blocks"] = scale_blocks  # Blackwell reads 1x128 operands as the MXFP8 they are
+    return lookup("grouped_mm_k", be)(a, b, offs, out_dtype, groups_aligned=groups_aligned, **kw)

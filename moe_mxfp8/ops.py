@@ -17,7 +17,15 @@ shape, forward+backward): 166.5 vs 166.9 ms -- the same time -- and 17.6 vs 18.7
 saving the FP8 copy is the default (benchmarks/RESULTS.md). ``wgrad="bf16"`` computes the
 weight gradient in BF16 with ``torch._grouped_mm`` instead.
 
-``weight_blocks="32x32"`` quantizes W with one scale per 32x32 tile
+``scale_blocks`` names the scale-block recipe (one vocabulary with the quantizers and
+`MXFP8MoE`): ``"1x32"`` (default, exact MXFP8 everywhere), ``"32x32"`` (W with one scale per
+32x32 tile, X/dY 1x32) and ``"1x128"`` (X, dY and both wgrad operands one scale per 128
+elements along the reduced axis, W one per 128x128 tile; every 32-block carries its 128-block's
+scale, so each operand is still a valid MXFP8 tensor and the Blackwell kernel consumes it
+unchanged, while the Hopper kernel promotes once per k=128 instead of per k=32:
+docs/numerics.md "The 1x128 recipe"). ``weight_blocks`` is the older name of the first two.
+
+``scale_blocks="32x32"`` quantizes W with one scale per 32x32 tile
 (``quantize_weights(..., block_rows=32)``) for fprop (along K) and dgrad (along N) instead of
 1x32 blocks; on Hopper the GEMM's promotion is then one FFMA per accumulator element per k-step
 instead of FMUL + FFMA. The two orientations are the same tiles with the same amax, so the dgrad
@@ -47,10 +55,10 @@ from . import layout as L
 from .gemm import grouped_mm_k, grouped_mm_m
 from .mx_tensor import MXFP8Tensor
 from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
+from .reference import SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 
 WGRAD_MODES = ("mxfp8", "bf16")
-WEIGHT_BLOCKS = ("1x32", "32x32")  # weight scale blocks: 1x32 (default) or one per 32x32 tile
-WEIGHT_BLOCK_ROWS = {"1x32": 1, "32x32": 32}  # -> quantize_weights(block_rows=...)
+WEIGHT_BLOCKS = ("1x32", "32x32")  # the older `weight_blocks` name of two of SCALE_BLOCKS
 WGRAD_ROW_ALIGN = 16  # token rows: kernels/grouped_gemm_sm90.py reads tokens with TMA (16 B rows)
 COMPUTE_DTYPE = torch.bfloat16  # the dtype of x, w_t, the output and both gradients
 FP8 = torch.float8_e4m3fn
@@ -74,8 +82,31 @@ def check_weight_blocks(weight_blocks, who: str = "grouped_mm") -> None:
         )
 
 
+def check_scale_blocks(scale_blocks, who: str = "grouped_mm") -> None:
+    if not isinstance(scale_blocks, str) or scale_blocks not in SCALE_BLOCKS:
+        raise ValueError(
+            f"{who}: scale_blocks must be one of {SCALE_BLOCKS} (exact MXFP8; 32x32 weight "
+            f"tiles; 1x128 activation blocks with 128x128 weight tiles), got {scale_blocks!r}"
+        )
+
+
+def resolve_scale_blocks(scale_blocks, weight_blocks, who: str = "grouped_mm") -> str:
+    """The recipe from ``scale_blocks`` and the older ``weight_blocks`` (None or "1x32": not
+    given; "32x32" agrees only with ``scale_blocks`` "1x32" (its default) or "32x32")."""
+    check_scale_blocks(scale_blocks, who)
+    if weight_blocks is None:
+        return scale_blocks
+    check_weight_blocks(weight_blocks, who)
+    if weight_blocks == "1x32":
+        return scale_blocks
+    if scale_blocks not in ("1x32", weight_blocks):
+        raise ValueError(f"{who}: pass scale_blocks or weight_blocks, not both "
+                         f"({scale_blocks!r} vs {weight_blocks!r})")
+    return weight_blocks
+
+
 def _check_args(
-    x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str, weight_blocks: str
+    x: Tensor, w_t: Tensor, offs: Tensor, backend: str, wgrad: str, scale_blocks: str
 ) -> None:
     for name, t in (("x", x), ("w_t", w_t), ("offs", offs)):
         if not isinstance(t, torch.Tensor):
@@ -107,7 +138,7 @@ def _check_args(
         C.check_offs(offs, x.shape[0], sync=True)
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"grouped_mm: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
-    check_weight_blocks(weight_blocks)
+    check_scale_blocks(scale_blocks)
     if not isinstance(backend, str):
         raise TypeError(f"grouped_mm: backend must be a string, got {type(backend).__name__}")
 
@@ -125,7 +156,7 @@ def _grouped_mm_fwd(
     backend: str,
     wgrad: str,
     save_colwise: bool,
-    weight_blocks: str,
+    scale_blocks: str,
     aligned_groups: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """fprop. Returns ``(y (M, N) bf16, xt_data (K, M) uint8, xt_scale uint8)``.
@@ -136,17 +167,18 @@ def _grouped_mm_fwd(
     formula sees them.
     """
     x = x.contiguous()
+    sb = scale_blocks
     if save_colwise:
-        xq, xtq = quantize_dual(x, offs=offs, backend=backend)
+        xq, xtq = quantize_dual(x, offs=offs, backend=backend, scale_blocks=sb)
         xt_data, xt_scale = xtq.data.view(torch.uint8), xtq.scale
     else:
-        xq = quantize_rowwise(x, offs=offs, backend=backend)
+        xq = quantize_rowwise(x, offs=offs, backend=backend, scale_blocks=sb)
         xt_data, xt_scale = _empty(x, torch.uint8), _empty(x, torch.uint8)
     # w_t is usually the transposed view of (E, N, K) storage: then this is a free view.
     wq = quantize_weights(
         w_t.transpose(-2, -1).contiguous(),
         axis="K",
-        block_rows=WEIGHT_BLOCK_ROWS[weight_blocks],
+        block_rows=WEIGHT_BLOCK_ROWS[sb],
         backend=backend,
     )
     y = grouped_mm_m(xq, wq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)
@@ -154,7 +186,7 @@ def _grouped_mm_fwd(
 
 
 @_grouped_mm_fwd.register_fake
-def _grouped_mm_fwd_fake(x, w_t, offs, backend, wgrad, save_colwise, weight_blocks,
+def _grouped_mm_fwd_fake(x, w_t, offs, backend, wgrad, save_colwise, scale_blocks,
                          aligned_groups):
     m, k = x.shape
     e, _, n = w_t.shape
@@ -176,7 +208,7 @@ def _grouped_mm_bwd(
     xt_scale: Tensor | None,
     backend: str,
     wgrad: str,
-    weight_blocks: str,
+    scale_blocks: str,
     aligned_groups: bool,
     need_dx: bool,
     need_dw: bool,
@@ -199,12 +231,13 @@ def _grouped_mm_bwd(
         dy = torch.cat([dy, dy.new_zeros(mp - m, dy.shape[1])])
         x = torch.cat([x, x.new_zeros(mp - m, x.shape[1])]) if x is not None else None
     dyq = dytq = None
+    sb = scale_blocks
     if need_dx and mx_wgrad:
-        dyq, dytq = quantize_dual(dy, offs=offs, backend=backend)  # dY read once
+        dyq, dytq = quantize_dual(dy, offs=offs, backend=backend, scale_blocks=sb)  # read once
     elif need_dx:
-        dyq = quantize_rowwise(dy, offs=offs, backend=backend)
+        dyq = quantize_rowwise(dy, offs=offs, backend=backend, scale_blocks=sb)
     elif mx_wgrad:
-        dytq = quantize_colwise(dy, offs=offs, backend=backend)
+        dytq = quantize_colwise(dy, offs=offs, backend=backend, scale_blocks=sb)
 
     dx = _empty(dy, COMPUTE_DTYPE)
     if need_dx:
@@ -213,7 +246,7 @@ def _grouped_mm_bwd(
         wq = quantize_weights(
             w_t.transpose(-2, -1).contiguous(),
             axis="N",
-            block_rows=WEIGHT_BLOCK_ROWS[weight_blocks],
+            block_rows=WEIGHT_BLOCK_ROWS[sb],
             backend=backend,
         )
         dx = grouped_mm_m(dyq, wq, offs, out_dtype=COMPUTE_DTYPE, backend=backend)[:m]
@@ -227,17 +260,18 @@ def _grouped_mm_bwd(
             if xt_data is not None:
                 xtq = MXFP8Tensor(xt_data.view(FP8), xt_scale, "packed", offs, "k")
             else:
-                xtq = quantize_colwise(x.contiguous(), offs=offs, backend=backend)
+                xtq = quantize_colwise(x.contiguous(), offs=offs, backend=backend,
+                                       scale_blocks=sb)
             # aligned_groups: every group starts on a multiple of 16 rows (the odd-M padding
             # above only grows the last group), so the kernels skip their re-layout
             dw = grouped_mm_k(dytq, xtq, offs, out_dtype=COMPUTE_DTYPE, backend=backend,
-                              groups_aligned=aligned_groups)
+                              groups_aligned=aligned_groups, scale_blocks=sb)
     return dx, dw
 
 
 @_grouped_mm_bwd.register_fake
 def _grouped_mm_bwd_fake(
-    grad_out, x, w_t, offs, xt_data, xt_scale, backend, wgrad, weight_blocks, aligned_groups,
+    grad_out, x, w_t, offs, xt_data, xt_scale, backend, wgrad, scale_blocks, aligned_groups,
     need_dx, need_dw,
 ):
     m, n = grad_out.shape
@@ -248,11 +282,11 @@ def _grouped_mm_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w_t, offs, backend, wgrad, save_colwise, weight_blocks, aligned_groups = inputs
+    x, w_t, offs, backend, wgrad, save_colwise, scale_blocks, aligned_groups = inputs
     _, xt_data, xt_scale = output
     ctx.backend = backend
     ctx.wgrad = wgrad
-    ctx.weight_blocks = weight_blocks
+    ctx.scale_blocks = scale_blocks
     ctx.aligned_groups = aligned_groups
     ctx.use_saved_colwise = save_colwise and wgrad == "mxfp8"
     # Keep the BF16 x only if backward needs it (wgrad of a w_t that needs grad, no FP8 copy).
@@ -272,7 +306,7 @@ def _backward(ctx, grad_y, _grad_xt_data, _grad_xt_scale):
     if not (need_dx or need_dw):
         return None, None, None, None, None, None, None, None
     dx, dw = torch.ops.moe_mxfp8.grouped_mm_bwd(
-        grad_y, x, w_t, offs, xt_data, xt_scale, ctx.backend, ctx.wgrad, ctx.weight_blocks,
+        grad_y, x, w_t, offs, xt_data, xt_scale, ctx.backend, ctx.wgrad, ctx.scale_blocks,
         ctx.aligned_groups, need_dx, need_dw,
     )
     return (
@@ -305,8 +339,9 @@ def grouped_mm(
     backend: str = "auto",
     wgrad: str = "mxfp8",
     save_colwise: bool = True,
-    weight_blocks: str = "1x32",
+    scale_blocks: str = "1x32",
     aligned_groups: bool = False,
+    weight_blocks: str | None = None,
 ) -> Tensor:
     """MXFP8 grouped GEMM with autograd; the counterpart of ``torch._grouped_mm(x, w_t, offs)``.
 
@@ -321,9 +356,13 @@ def grouped_mm(
         save_colwise: with ``wgrad="mxfp8"``, quantize x's columnwise (wgrad) copy in forward
             together with the rowwise one and save it in FP8 instead of the BF16 ``x`` (default:
             same time, less memory); False re-quantizes x in backward. Same bytes either way.
-        weight_blocks: ``"1x32"`` (default: W's scales per 32 elements along the reduced axis)
-            or ``"32x32"`` (one scale per 32x32 tile of each expert's W, for fprop and dgrad;
-            cheaper promotion on Hopper, a little less accurate). X, dY and wgrad are unchanged.
+        scale_blocks: the scale-block recipe. ``"1x32"`` (default: exact MXFP8, one scale per
+            32 elements along every GEMM's reduced axis); ``"32x32"`` (one scale per 32x32 tile
+            of each expert's W for fprop and dgrad; X, dY and wgrad unchanged); ``"1x128"``
+            (X and dY one scale per 128 elements along the reduced axis, in wgrad per 128
+            tokens of a group, W one per 128x128 tile: still valid MXFP8 tensors, and the
+            Hopper kernel promotes once per k=128, 4x fewer FP32 ops; see docs/numerics.md).
+        weight_blocks: deprecated name of ``scale_blocks`` for ``"1x32"``/``"32x32"``.
         aligned_groups: the caller guarantees that every group starts on a multiple of 16 rows
             (as `MXFP8MoE`'s padded layout does); the wgrad kernels then skip re-laying the
             FP8 operands out to such starts (a gather, ~6% of the wgrad GEMM at dsv3).
@@ -332,7 +371,8 @@ def grouped_mm(
         ``(M, N)`` bfloat16. Its gradients: ``(M, K)`` for x, ``(E, K, N)`` for w_t (a transposed
         view of a contiguous ``(E, N, K)`` tensor, i.e. contiguous for the usual ``w``).
     """
-    _check_args(x, w_t, offs, backend, wgrad, weight_blocks)
+    scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks)
+    _check_args(x, w_t, offs, backend, wgrad, scale_blocks)
     save = (
         bool(save_colwise)
         and wgrad == "mxfp8"
@@ -342,6 +382,6 @@ def grouped_mm(
         and w_t.requires_grad
     )
     y, _, _ = torch.ops.moe_mxfp8.grouped_mm_fwd(
-        x, w_t, offs, backend, wgrad, save, weight_blocks, bool(aligned_groups)
+        x, w_t, offs, backend, wgrad, save, scale_blocks, bool(aligned_groups)
     )
     return y

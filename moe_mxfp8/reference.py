@@ -1,7 +1,7 @@
 """Pure-PyTorch reference of everything the kernels compute. Runs on CPU and GPU.
 
 These functions *define* the bytes the quantizer kernels must produce and the values the GEMM
-kernels are tested against (``shared/docs/mxfp8-contract.md``). They validate nothing: the public
+kernels are tested against (``docs/numerics.md``). They validate nothing: the public
 entry points in `moe_mxfp8.quantize` / `moe_mxfp8.ops` check arguments and then call these.
 
 Scale exponents come from the integer bits of ``amax`` (never ``log2``/``ceil`` in floating
@@ -27,6 +27,15 @@ E8M0_NAN = 0xFF
 E4M3_EMAX_BIASED = 135  # 127 (fp32 bias) + 8 (log2 of 448's octave: 448 = 1.75 * 2^8)
 RCEIL_MANTISSA_THRESHOLD = 0x600000  # mantissa field of 1.75: above it, amax > 448 * 2^e
 FP32_EXP_INF = 0xFF
+# Scale-block recipes (one name for the quantizers, grouped_mm and MXFP8MoE): activations and
+# gradients x weights. "1x32": exact MXFP8 everywhere (default). "32x32": weights one scale per
+# 32x32 tile. "1x128": one scale per 128 elements along the reduced axis for activations and
+# gradients, one per 128x128 weight tile; every 32-block carries its 128-block's scale, so each
+# tensor is a valid MXFP8 tensor (docs/numerics.md, "The 1x128 recipe").
+SCALE_BLOCKS = ("1x32", "32x32", "1x128")
+ACT_BLOCK = {"1x32": 32, "32x32": 32, "1x128": 128}  # activation/gradient block length
+WEIGHT_BLOCK_ROWS = {"1x32": 1, "32x32": 32, "1x128": 128}  # weight tile rows (1: 1x32 blocks)
+BLOCK_128 = 128
 
 
 def e8m0_to_float32(b: torch.Tensor) -> torch.Tensor:
@@ -59,12 +68,17 @@ def scale_exponent_from_amax_bits(amax_bits: torch.Tensor, rounding: str) -> tor
     return byte, torch.where(nonfinite, torch.zeros_like(e), e)
 
 
-def quantize_blocks(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(
+    x: torch.Tensor, rounding: str, amax_bits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x (..., nblocks, 32)`` block by block along the last dim.
 
     Returns (``(..., nblocks, 32)`` float8_e4m3fn, ``(..., nblocks)`` uint8 scale bytes).
+    ``amax_bits`` (``(..., nblocks)`` int32 ``|amax|`` bits) overrides each block's own amax:
+    the 1x128 recipe passes the amax of the 128-block that contains the 32-block.
     """
-    amax_bits = _abs_bits(x).amax(dim=-1)
+    if amax_bits is None:
+        amax_bits = _abs_bits(x).amax(dim=-1)
     byte, e = scale_exponent_from_amax_bits(amax_bits, rounding)
     # 2^-e built from the bits: e is in [-127, 120] for finite input, so 127 - e is a normal
     # fp32 exponent and the multiply below is exact wherever the result is representable.
@@ -87,12 +101,38 @@ def _quantize_lastdim(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, tor
     return q.reshape(*x.shape[:-1], kp)[..., :k], s
 
 
+def _quantize_lastdim_128(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 recipe along the last dim: each 32-block is quantized with the amax of the
+    128-block (from the row's start) that contains it. Returns what `_quantize_lastdim` does."""
+    k = x.shape[-1]
+    kp = L.round_up(k, BLOCK_128)
+    if kp != k:
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    amax128 = _abs_bits(x).reshape(*x.shape[:-1], kp // BLOCK_128, BLOCK_128).amax(dim=-1)
+    per32 = BLOCK_128 // L.BLOCK_SIZE
+    q, s = quantize_blocks(x.reshape(*x.shape[:-1], kp // L.BLOCK_SIZE, L.BLOCK_SIZE), rounding,
+                           amax128.repeat_interleave(per32, dim=-1))
+    return q.reshape(*x.shape[:-1], kp)[..., :k], s[..., : L.ceil_div(k, L.BLOCK_SIZE)]
+
+
+def _act_block(scale_blocks: str) -> int:
+    if scale_blocks not in ACT_BLOCK:
+        raise ValueError(f"scale_blocks must be one of {SCALE_BLOCKS}, got {scale_blocks!r}")
+    return ACT_BLOCK[scale_blocks]
+
+
 def quantize_rowwise_ref(
     x: torch.Tensor, rounding: str = "rceil", scale_layout: str = "packed",
-    offs: torch.Tensor | None = None,
+    offs: torch.Tensor | None = None, scale_blocks: str = "1x32",
 ) -> MXFP8Tensor:
-    """``x (M, K)`` -> MXFP8 ``(M, K)``, blocks along K; ``offs``: row groups on 128-row tiles."""
-    q, dense = _quantize_lastdim(x, rounding)
+    """``x (M, K)`` -> MXFP8 ``(M, K)``, blocks along K; ``offs``: row groups on 128-row tiles.
+
+    ``scale_blocks="1x128"``: one scale per 128 elements along K, replicated over its 32-blocks.
+    """
+    if _act_block(scale_blocks) == BLOCK_128:
+        q, dense = _quantize_lastdim_128(x, rounding)
+    else:
+        q, dense = _quantize_lastdim(x, rounding)
     if scale_layout == "dense":
         scale = dense
     elif offs is not None:
@@ -105,16 +145,19 @@ def quantize_rowwise_ref(
 
 def quantize_colwise_ref(
     x: torch.Tensor, rounding: str = "rceil", scale_layout: str = "packed",
-    offs: torch.Tensor | None = None,
+    offs: torch.Tensor | None = None, scale_blocks: str = "1x32",
 ) -> MXFP8Tensor:
     """``x (M, K)`` -> MXFP8 of ``x.T`` ``(K, M)``, blocks of 32 along M.
 
     With ``offs`` (groups along M), blocks restart at each group's first token and each group's
     last block is virtually zero-padded; scales are packed per group (contract, "Grouped layouts").
+    ``scale_blocks="1x128"``: 128-blocks restart at each group's first token too, and each of
+    their 32-blocks carries the 128-block's scale.
     """
     xt = x.t()
+    b128 = _act_block(scale_blocks) == BLOCK_128
     if offs is None:
-        q, dense = _quantize_lastdim(xt, rounding)
+        q, dense = _quantize_lastdim_128(xt, rounding) if b128 else _quantize_lastdim(xt, rounding)
         scale = dense if scale_layout == "dense" else L.pack_scales(dense)
         return MXFP8Tensor(q.contiguous(), scale, scale_layout)
 
@@ -126,7 +169,15 @@ def quantize_colwise_ref(
     col = block_id * L.BLOCK_SIZE + pos
     padded = xt.new_zeros(k, nb_bound * L.BLOCK_SIZE)
     padded[:, col] = xt
-    qb, dense_all = quantize_blocks(padded.reshape(k, nb_bound, L.BLOCK_SIZE), rounding)
+    blocks = padded.reshape(k, nb_bound, L.BLOCK_SIZE)
+    amax = None
+    if b128:
+        amax = _abs_bits(blocks).amax(dim=-1)
+        key = _grouped_k_block128_key(offs, nb_bound)
+        amax128 = amax.new_zeros(k, nb_bound + 1)  # |amax| bits >= 0: zeros are neutral
+        amax128.scatter_reduce_(1, key[None, :].expand(k, -1), amax, "amax")
+        amax = amax128[:, key]
+    qb, dense_all = quantize_blocks(blocks, rounding, amax)
     q = qb.reshape(k, -1)[:, col]
     if scale_layout == "dense":
         scale = dense_all[:, : L.grouped_k_num_blocks(offs)].contiguous()
@@ -141,14 +192,31 @@ def quantize_colwise_ref(
     return MXFP8Tensor(q.contiguous(), scale, scale_layout, offs, "k")
 
 
+def _grouped_k_block128_key(offs: torch.Tensor, nb_bound: int) -> torch.Tensor:
+    """For each global 32-block id ``j < nb_bound`` of a K-grouped axis, the global id of the
+    1x128 block holding it (group g's local 32-block c lies in its 128-block c // 4); block ids
+    past the last group map to ``nb_bound`` (a dummy)."""
+    sizes = L.group_sizes(offs)
+    nblocks = (sizes + L.BLOCK_SIZE - 1) // L.BLOCK_SIZE
+    n128 = (sizes + BLOCK_128 - 1) // BLOCK_128
+    ends = torch.cumsum(nblocks, 0)
+    j = torch.arange(nb_bound, device=offs.device, dtype=torch.int64)
+    g = torch.searchsorted(ends, j, right=True)
+    valid = g < offs.numel()
+    g = g.clamp(max=offs.numel() - 1)
+    local = j - (ends - nblocks)[g]
+    key = (torch.cumsum(n128, 0) - n128)[g] + local // (BLOCK_128 // L.BLOCK_SIZE)
+    return torch.where(valid, key, torch.full_like(key, nb_bound))
+
+
 def quantize_dual_ref(
     x: torch.Tensor, rounding: str = "rceil", scale_layout: str = "packed",
-    offs: torch.Tensor | None = None,
+    offs: torch.Tensor | None = None, scale_blocks: str = "1x32",
 ) -> tuple[MXFP8Tensor, MXFP8Tensor]:
     """Both orientations of ``x (M, K)``: (rowwise ``(M, K)``, columnwise ``(K, M)``)."""
     return (
-        quantize_rowwise_ref(x, rounding, scale_layout, offs),
-        quantize_colwise_ref(x, rounding, scale_layout, offs),
+        quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks),
+        quantize_colwise_ref(x, rounding, scale_layout, offs, scale_blocks),
     )
 
 
@@ -159,19 +227,27 @@ def quantize_weights_ref(
     """Expert weights ``w (E, N, K)`` -> MXFP8, each expert its own packed matrix.
 
     ``axis="K"``: data ``(E, N, K)``, blocks along K (fprop). ``axis="N"``: data ``(E, K, N)``
-    (``w`` transposed), blocks along N (dgrad). ``block_rows=32``: one scale per 32x32 tile of
-    ``w``, so both orientations carry the same FP8 bytes (transposed) and the same scale values.
+    (``w`` transposed), blocks along N (dgrad). ``block_rows=32`` (128): one scale per 32x32
+    (128x128) tile of ``w``, so both orientations carry the same FP8 bytes (transposed) and the
+    same scale values. Partial 128x128 tiles at the edges are tiles of what is there (zero pad).
     """
     src = w if axis == "K" else w.transpose(-2, -1)
     e, rows, cols = src.shape
     if block_rows == 1:
         q, dense = _quantize_lastdim(src, rounding)
     else:
-        tiles = src.reshape(e, rows // 32, 32, cols // 32, 32).permute(0, 1, 3, 2, 4)
-        qt, st = quantize_blocks(tiles.reshape(e, rows // 32, cols // 32, 32 * 32), rounding)
-        q = qt.reshape(e, rows // 32, cols // 32, 32, 32).permute(0, 1, 3, 2, 4)
-        q = q.reshape(e, rows, cols)
-        dense = st.repeat_interleave(32, dim=1)
+        t = block_rows
+        rp, cp = L.round_up(rows, t), L.round_up(cols, t)
+        srcp = torch.nn.functional.pad(src, (0, cp - cols, 0, rp - rows))
+        tiles = srcp.reshape(e, rp // t, t, cp // t, t).permute(0, 1, 3, 2, 4)
+        # each 32-element piece of a tile row is quantized with the tile's amax
+        amax = _abs_bits(tiles).amax(dim=(-2, -1))
+        pieces = tiles.reshape(e, rp // t, cp // t, t * t // L.BLOCK_SIZE, L.BLOCK_SIZE)
+        qt, st = quantize_blocks(pieces, rounding, amax[..., None].expand(pieces.shape[:-1]))
+        q = qt.reshape(e, rp // t, cp // t, t, t).permute(0, 1, 3, 2, 4)
+        q = q.reshape(e, rp, cp)[:, :rows, :cols]
+        dense = st[..., 0].repeat_interleave(t, dim=1)[:, :rows]
+        dense = dense.repeat_interleave(t // L.BLOCK_SIZE, dim=2)[..., : L.ceil_div(cols, 32)]
     scale = dense if scale_layout == "dense" else L.pack_scales_experts(dense)
     return MXFP8Tensor(q.contiguous(), scale, scale_layout, None, "experts", block_rows)
 

@@ -111,6 +111,20 @@ def test_weight_blocks_32x32_matches_bf16_grouped_mm(gen, case):
     assert_sqnr_bounds(f"{case} weight_blocks=32x32", gen, (yr, dxr, dwr), (y, dx, dw))
 
 
+# scale_blocks="1x128": same bounds (E4M3 rounding is scale-invariant above its subnormals, so
+# the SQNR equals 1x32's; tests/test_1x128_recipe.py prints both side by side).
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + f"-e{c[4]}")
+def test_scale_blocks_1x128_matches_bf16_grouped_mm(gen, case):
+    m, k, n, e, empty = case
+    x, w, offs, dy = make_data(gen, m, k, n, e, empty)
+    (y, dx, dw), (yr, dxr, dwr) = run_pair(x, w, offs, dy, backend="reference",
+                                           scale_blocks="1x128")
+    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (e, n, k)
+    assert_sqnr_bounds(f"{case} scale_blocks=1x128", gen, (yr, dxr, dwr), (y, dx, dw))
+    for g in empty:
+        assert torch.count_nonzero(dw[g]) == 0
+
+
 def test_weight_blocks_32x32_uses_32x32_weight_operands(gen):
     """fprop and dgrad equal the reference GEMM on quantize_weights(block_rows=32) operands bit
     for bit (wgrad does not involve W: unchanged), and differ from 1x32 on weights whose elements
@@ -295,6 +309,24 @@ def test_gpu_weight_blocks_32x32_matches_bf16_grouped_mm(gen, case):
     print(f"GPU grouped_mm {case} 32x32: out/dgrad/wgrad SQNR", db)
     assert db[0] >= OUT_MIN_DB and db[1] >= DGRAD_MIN_DB and db[2] >= WGRAD_MIN_DB, db
     (y2, dx2, dw2), _ = run_pair(x, w, offs, dy, backend="reference", weight_blocks="32x32")
+    for name, a, b in (("out", y2, y), ("dgrad", dx2, dx), ("wgrad", dw2, dw)):
+        assert sqnr_db(a, b) >= KERNEL_VS_REFERENCE_MIN_DB, (name, sqnr_db(a, b))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("case", CASES[:3] + [(4096, 1024, 2048, 8, (5,))],
+                         ids=lambda c: "x".join(map(str, c[:4])))
+def test_gpu_scale_blocks_1x128_matches_bf16_grouped_mm(gen, case):
+    """scale_blocks="1x128" on the kernel backend (sm90: one promotion per k=128) vs BF16 with
+    the same SQNR bounds, and vs the reference backend on the same data."""
+    m, k, n, e, empty = case
+    x, w, offs, dy = make_data(gen, m, k, n, e, empty, device="cuda")
+    (y, dx, dw), (yr, dxr, dwr) = run_pair(x, w, offs, dy, backend="auto", scale_blocks="1x128")
+    db = sqnr_db(yr, y), sqnr_db(dxr, dx), sqnr_db(dwr, dw)
+    print(f"GPU grouped_mm {case} 1x128: out/dgrad/wgrad SQNR", db)
+    assert db[0] >= OUT_MIN_DB and db[1] >= DGRAD_MIN_DB and db[2] >= WGRAD_MIN_DB, db
+    (y2, dx2, dw2), _ = run_pair(x, w, offs, dy, backend="reference", scale_blocks="1x128")
     for name, a, b in (("out", y2, y), ("dgrad", dx2, dx), ("wgrad", dw2, dw)):
         assert sqnr_db(a, b) >= KERNEL_VS_REFERENCE_MIN_DB, (name, sqnr_db(a, b))
 

@@ -53,6 +53,10 @@ CONFIGS = {
     "m 1x32 no_scale_wait": dict(variant="m", b_block_rows=1, diag="no_scale_wait"),
     "m 1x32 promote_only": dict(variant="m", b_block_rows=1, diag="promote_only"),
     "m 32x32 promote_only": dict(variant="m", b_block_rows=32, diag="promote_only"),
+    "m 1x128": dict(variant="m", b_block_rows=128, promote_k=128),
+    "k 1x128": dict(variant="k", b_block_rows=1, promote_k=128),
+    "m 1x128 overlap": dict(variant="m", b_block_rows=128, promote_k=128, overlap_promotion=True),
+    "k 1x128 overlap": dict(variant="k", b_block_rows=1, promote_k=128, overlap_promotion=True),
 }
 FP8_DENSE_FLOPS, CLOCK_HZ, NUM_SMS = 1979e12, 1.83e9, 132  # H100 SXM spec (boost clock)
 SMSPS = 4

@@ -41,10 +41,13 @@ needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
 # CPU: compile for sm_90a, inspect SASS
 # ---------------------------------------------------------------------------------------------
 
-# (variant, out dtype, weight block rows, CTAs per cluster)
-VARIANTS = [("m", "bfloat16", 1, 1), ("m", "float32", 1, 1), ("m", "bfloat16", 32, 1),
-            ("k", "bfloat16", 1, 1), ("k", "float32", 1, 1), ("m", "bfloat16", 32, 2),
-            ("k", "bfloat16", 1, 2)]
+# (variant, out dtype, weight block rows, CTAs per cluster, promotion interval)
+VARIANTS = [("m", "bfloat16", 1, 1, 32), ("m", "float32", 1, 1, 32), ("m", "bfloat16", 32, 1, 32),
+            ("k", "bfloat16", 1, 1, 32), ("k", "float32", 1, 1, 32), ("m", "bfloat16", 32, 2, 32),
+            ("k", "bfloat16", 1, 2, 32),
+            # the 1x128 recipe: 128x128 weight tiles / 1x128 token blocks, promotion per k=128
+            ("m", "bfloat16", 128, 1, 128), ("m", "float32", 128, 2, 128),
+            ("k", "bfloat16", 1, 1, 128)]
 
 
 def _nvdisasm() -> str | None:
@@ -67,21 +70,22 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import sys
     from moe_mxfp8.kernels import grouped_gemm_sm90 as K
     variant, out_dtype, br, cl = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    K.compile_fake(K.Sm90GroupedGemmConfig(variant, out_dtype, br, cluster_n=cl), 256, 512,
+    pk = int(sys.argv[5])
+    K.compile_fake(K.Sm90GroupedGemmConfig(variant, out_dtype, br, pk, cluster_n=cl), 256, 512,
                    options="--keep-cubin")
     print("OK")
 """)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,out_dtype,block_rows,cluster_n", VARIANTS)
+@pytest.mark.parametrize("variant,out_dtype,block_rows,cluster_n,promote_k", VARIANTS)
 def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, variant, out_dtype, block_rows,
-                                                     cluster_n):
+                                                     cluster_n, promote_k):
     pytest.importorskip("cutlass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, variant, out_dtype,
-                          str(block_rows), str(cluster_n)], cwd=tmp_path, env=env,
+                          str(block_rows), str(cluster_n), str(promote_k)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-4000:]
     cubins = glob.glob(str(tmp_path / "*.cubin"))
@@ -102,7 +106,9 @@ def test_promotion_instruction_mix(tmp_path):
     """tools/sass_mix.py on the k-loop's SASS: per k-tile per consumer warp, 4 QGMMA and one
     FFMA per accumulator element per k=32 step (64 x 4 = 256) -- in 32x32 mode no FMUL (the
     scale warps precompute the products), in 1x32 mode one FMUL each (the scale product).
-    More instructions here is a regression of the promotion, the kernel's bottleneck."""
+    The 1x128 recipe promotes once per k-tile: 64 FFMA (4x fewer), plus 64 FMUL in wgrad
+    (row x column scale). More instructions here is a regression of the promotion, the
+    kernel's bottleneck."""
     pytest.importorskip("cutlass")
     if _nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
@@ -110,13 +116,15 @@ def test_promotion_instruction_mix(tmp_path):
     env = dict(os.environ, PATH=f"{os.path.dirname(_nvdisasm())}{os.pathsep}"
                f"{os.environ.get('PATH', '')}")
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "sass_mix.py"), "--configs",
-                          "m 1x32,m 32x32", "--json", str(out)], cwd=tmp_path, env=env,
+                          "m 1x32,m 32x32,m 1x128,k 1x128", "--json", str(out)], cwd=tmp_path,
+                         env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     mix = json.loads(out.read_text())
-    for name, fmul, budget in (("m 1x32", 256, 640), ("m 32x32", 0, 340)):
+    for name, ffma, fmul, budget in (("m 1x32", 256, 256, 640), ("m 32x32", 256, 0, 340),
+                                     ("m 1x128", 64, 0, 130), ("k 1x128", 64, 64, 200)):
         r = mix[name]
-        assert (r["QGMMA"], r["FFMA"], r["FMUL"]) == (4, 256, fmul), (name, r)
+        assert (r["QGMMA"], r["FFMA"], r["FMUL"]) == (4, ffma, fmul), (name, r)
         assert r["instrs"] <= budget and r["spills"] == 0, (name, r)
 
 
@@ -465,3 +473,123 @@ def test_wgrad_unaligned_groups_relayout_equals_slow_path(grouping):
         slow = torch.full_like(out, float("nan"))
         K.grouped_mm_k(a, b, offs, torch.float32, out=slow, groups_aligned=True)
         assert torch.equal(out, slow)
+
+
+# ---------------------------------------------------------------------------------------------
+# the 1x128 recipe (promotion once per k=128): GPU numerics vs the fp32 reference
+# ---------------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E128"])
+@pytest.mark.parametrize("op,out_dtype", [("fprop", torch.bfloat16), ("fprop", torch.float32),
+                                          ("dgrad", torch.bfloat16)])
+def test_1x128_m_grouped_matches_reference(grouping, op, out_dtype):
+    """1x128 activations x 128x128 weight tiles; N = 160 and K = 352 (fprop) or N = 256,
+    K = 96 (dgrad) leave partial 128-blocks and partial weight tiles. Tolerance as the 1x32
+    tests: rel. Frobenius error vs the fp32 GEMM of the same quantized operands <= 5e-3 (bf16
+    output rounding) / 1e-3 (fp32 output: accumulation order only)."""
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    seed = 7 + len(grouping) * 31 + (op == "dgrad") * 3 + (out_dtype == torch.float32)
+    torch.manual_seed(seed)
+    sizes = _sizes(grouping, seed)
+    m = sum(sizes)
+    n, k, axis = (160, 352, "K") if op == "fprop" else (256, 96, "N")
+    offs = _offs(sizes, dev)
+    x = torch.randn(m, k if op == "fprop" else n, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+    a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks="1x128")
+    b = R.quantize_weights_ref(w, axis=axis, block_rows=128)
+    cols = n if op == "fprop" else k
+    out = torch.full((m, cols), float("nan"), device=dev, dtype=out_dtype)
+    K.grouped_mm_m(a, b, offs, out_dtype, out=out)
+    _check(out, R.grouped_mm(a, b, offs, torch.float32), out_dtype)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E8_a16", "E128"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_1x128_wgrad_matches_reference(grouping, out_dtype):
+    """Both operands 1x128 along the tokens (blocks restart per group, partial last blocks);
+    unaligned groups go through the host re-layout; empty groups must be zeros."""
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    seed = 11 + len(grouping) * 17 + (out_dtype == torch.float32)
+    torch.manual_seed(seed)
+    sizes = _sizes(grouping, seed)
+    m, n, k = sum(sizes), 160, 288
+    offs = _offs(sizes, dev)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    a = R.quantize_colwise_ref(dy, offs=offs, scale_blocks="1x128")
+    b = R.quantize_colwise_ref(x, offs=offs, scale_blocks="1x128")
+    out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=out_dtype)
+    K.grouped_mm_k(a, b, offs, out_dtype, out=out, scale_blocks="1x128")
+    for g, s in enumerate(sizes):
+        if s == 0:
+            assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
+    _check(out, R.grouped_mm(a, b, offs, torch.float32), out_dtype)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+def test_1x128_kernel_turns_1x32_operands_into_nan():
+    """Operands that are not 1x128 (their 32-blocks' scales differ) must not give plausible
+    numbers from the once-per-k-tile promotion: the scale check makes those outputs NaN."""
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    torch.manual_seed(3)
+    sizes = [200, 56]
+    offs = _offs(sizes, dev)
+    x = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
+    x[:, 32:64] *= 1000  # block 1 of every row gets another scale than blocks 0, 2, 3
+    w = torch.randn(2, 128, 256, device=dev, dtype=torch.bfloat16)
+    a32 = R.quantize_rowwise_ref(x, offs=offs)
+    b = R.quantize_weights_ref(w, axis="K", block_rows=128)
+    assert torch.isnan(K.grouped_mm_m(a32, b, offs)).all()
+    xk = x.clone()
+    xk[32:64] *= 1000  # tokens 32..63: block 1 of group 0 along the tokens
+    t = R.quantize_colwise_ref(xk, offs=offs)
+    assert torch.isnan(K.grouped_mm_k(t, t, offs, scale_blocks="1x128")[0]).all()
+    # the same data quantized 1x128 is finite and right
+    a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks="1x128")
+    _check(K.grouped_mm_m(a, b, offs), R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("op", ["m", "k"])
+def test_1x128_cluster_and_persistent_loop(op):
+    """2-CTA clusters and a 3-CTA persistent grid over many k-tiles, 1x128 recipe."""
+    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+
+    dev = "cuda"
+    torch.manual_seed(5)
+    sizes = [512, 0, 384, 128]
+    offs = _offs(sizes, dev)
+    m, n, k = sum(sizes), 256, 1152
+    for tuning in ({"cluster_n": 2}, {"max_ctas": 3}):
+        if op == "m":
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+            a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks="1x128")
+            b = R.quantize_weights_ref(w, axis="K", block_rows=128)
+            out = K.grouped_mm_m(a, b, offs, tuning=tuning)
+        else:
+            a = R.quantize_colwise_ref(torch.randn(m, n, device=dev), offs=offs,
+                                       scale_blocks="1x128")
+            b = R.quantize_colwise_ref(torch.randn(m, k, device=dev), offs=offs,
+                                       scale_blocks="1x128")
+            out = K.grouped_mm_k(a, b, offs, tuning=tuning, groups_aligned=True,
+                                 scale_blocks="1x128")
+        _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
