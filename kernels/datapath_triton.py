@@ -1,0 +1,441 @@
+"""Triton kernels of the MoE data path (`moe_mxfp8.datapath`): dispatch, SwiGLU and combine,
+fused with MXFP8 quantization, and their backward passes. Optional GPU dependency (``triton``).
+
+Every kernel mirrors a pure-PyTorch reference in `moe_mxfp8.datapath` bit for bit (quantized
+bytes, scale bytes, BF16 roundings, sums in a fixed order); the GPU tests check it.
+
+Row-block grid: the expert-sorted, group-padded buffer of ``M`` rows is cut into blocks of 32
+rows that restart at every group start (the K-grouped blocks of the contract), described by a
+table built on the device (`moe_mxfp8.datapath.block_table`, one int32 row per block):
+
+    rs, re       rows [rs, re) of the block (re == rs: an unused block of the static bound)
+    prow0        packed row of row r in the grouped-rows scale layout is prow0 + r
+    tiles        T_g = sum_{h<g} ceil(m_h / 128): the group's K-grouped scale base / (Rp * 4)
+    lblk, nblk   the block's index inside its group and the group's block count
+
+One program owns a 32-row block x CB features, so it can write both quantized copies: rowwise
+(blocks of 32 along the features) and columnwise (the block's 32 rows of every feature,
+stored transposed) from one read of the BF16 values. Every row of ``[0, M)`` belongs to exactly
+one block, so every data byte is written (pad rows as zeros); scale buffers start zeroed (the
+layout's padding bytes), their real bytes are written here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # libdevice's expf is what PyTorch's CUDA silu calls (bit-identical SwiGLU)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older Triton layouts
+    from triton.language.extra.cuda import libdevice
+
+BLOCK = 32  # MXFP8 block (and rows per program)
+QBLK: tl.constexpr = tl.constexpr(BLOCK)  # the same, visible inside @triton.jit
+TBL_COLS = 6  # block-table columns (see the module doc)
+COL_TILE = 128  # features per program
+TOK_TILE = 16  # tokens per program in the per-token kernels
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization helpers (the contract of docs/numerics.md, from the bits of amax)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scale_from_amax(amax_bits):
+    """int32 |amax| bits -> (E8M0 byte as int32, fp32 2^-e): RCEIL, clamp, 0xFF for NaN/Inf."""
+    ex = amax_bits >> 23
+    e = ex - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    nonfinite = ex == 255
+    byte = tl.where(nonfinite, 255, e + 127)
+    e = tl.where(nonfinite, 0, e)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return byte, inv
+
+
+@triton.jit
+def _e4m3_byte(v, INTERP: tl.constexpr):
+    """E4M3 byte (uint8) of fp32 ``v`` already clamped to [-448, 448], round-to-nearest-even.
+
+    On the GPU this is the hardware conversion (``cvt.rn.satfinite``); the interpreter's
+    conversion mis-rounds at octave carries, so there the rounding is done on the integer bits.
+    """
+    if INTERP:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = ((bits >> 31) & 1) << 7
+        a = bits & 0x7FFFFFFF
+        ex = a >> 23
+        r = a >> 20  # exponent and the top 3 mantissa bits
+        rem = a & 0xFFFFF
+        up = (rem > 0x80000) | ((rem == 0x80000) & ((r & 1) == 1))
+        normal = r + up.to(tl.int32) - (120 << 3)
+        s = (a & 0x7FFFFF) | 0x800000
+        sh = tl.minimum(tl.maximum(141 - ex, 1), 30)
+        q = s >> sh
+        rem2 = s & (((q * 0 + 1) << sh) - 1)
+        half = (q * 0 + 1) << (sh - 1)
+        up2 = (rem2 > half) | ((rem2 == half) & ((q & 1) == 1))
+        sub = tl.where(ex >= 117, q + up2.to(tl.int32), 0)
+        code = tl.where(ex >= 121, normal, sub)
+        return (code | sign).to(tl.uint8)
+    else:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _rbf(v, INTERP: tl.constexpr):
+    """fp32 ``v`` rounded to the nearest BF16 (ties to even), as fp32. The interpreter's cast
+    truncates, so there the rounding is done on the bits (finite values only)."""
+    if INTERP:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _packed_offset(r, c, nb):
+    """Byte offset of scales[r, c] in a packed matrix of ``nb`` blocks a row (layout.py)."""
+    tile = (r // 128) * ((nb + 3) // 4) + c // 4
+    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+@triton.jit
+def _quant_rows(x, rows, rmask, prow, cols, cmask, blk, bmask, q_ptr, s_ptr, ld, nb,
+                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    """Rowwise MXFP8 of the fp32 tile ``x (RB, CB)``: blocks of 32 along the features.
+
+    ``cols``: output columns (CB,), ``blk``: their block indices (CB // 32,) and ``bmask``
+    which of them hold real columns, ``prow``: packed scale row of each tile row, ``ld``:
+    output row stride, ``nb``: blocks per output row.
+    """
+    x3 = tl.reshape(x, (RB, CB // QBLK, QBLK))
+    bits = x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    byte, inv = _scale_from_amax(tl.max(bits, axis=2))
+    v = tl.minimum(tl.maximum(x3 * inv[:, :, None], -448.0), 448.0)
+    q = tl.reshape(_e4m3_byte(v, INTERP), (RB, CB))
+    rows64 = rows.to(tl.int64)
+    tl.store(q_ptr + rows64[:, None] * ld + cols[None, :], q,
+             mask=rmask[:, None] & cmask[None, :])
+    off = _packed_offset(prow.to(tl.int64)[:, None], blk[None, :], nb)
+    tl.store(s_ptr + off, byte.to(tl.uint8), mask=rmask[:, None] & bmask[None, :])
+
+
+@triton.jit
+def _quant_cols(x, rows, rmask, feats, fmask, q_ptr, s_ptr, m, base, lblk, nblk, live,
+                INTERP: tl.constexpr):
+    """Columnwise MXFP8 of the fp32 tile ``x (RB, CB)``: one block of (up to) 32 rows per
+    feature, stored transposed at ``q[feat, row]`` (row stride ``m``); rows outside the block
+    must be zero in ``x``. Scales at ``base + packed(feat, lblk)`` of the group's matrix."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    byte, inv = _scale_from_amax(tl.max(bits, axis=0))
+    v = tl.minimum(tl.maximum(x * inv[None, :], -448.0), 448.0)
+    q = _e4m3_byte(v, INTERP)
+    f64 = feats.to(tl.int64)
+    tl.store(q_ptr + f64[None, :] * m + rows[:, None], q, mask=rmask[:, None] & fmask[None, :])
+    off = base + _packed_offset(f64, lblk, nblk)
+    tl.store(s_ptr + off, byte.to(tl.uint8), mask=fmask & live)
+
+
+@triton.jit
+def _block(tbl_ptr, RB: tl.constexpr):
+    """Rows of this program's block and the block's layout constants (see the module doc)."""
+    j = tl.program_id(0).to(tl.int64) * 6
+    rs = tl.load(tbl_ptr + j)
+    re = tl.load(tbl_ptr + j + 1)
+    prow0 = tl.load(tbl_ptr + j + 2)
+    tiles = tl.load(tbl_ptr + j + 3).to(tl.int64)
+    lblk = tl.load(tbl_ptr + j + 4)
+    nblk = tl.load(tbl_ptr + j + 5)
+    rows = rs + tl.arange(0, RB)
+    return rows, rows < re, prow0 + rows, tiles, lblk, nblk, re > rs
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch: x (T, D) -> expert-sorted padded rows, quantized (rowwise + columnwise) and/or BF16
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dispatch_kernel(x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
+                     D, M, TOPK, RP,
+                     QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
+                     INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    cmask = cols < D
+    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
+    valid = rmask & (src >= 0)
+    tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
+    x = tl.load(x_ptr + tok[:, None] * D + cols[None, :], mask=valid[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    if BF16:
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x.to(tl.bfloat16),
+                 mask=rmask[:, None] & cmask[None, :])
+    if QROW:
+        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
+        _quant_rows(x, rows, rmask, prow, cols, cmask, blk, blk < D // QBLK, qr_ptr, sr_ptr, D,
+                    D // QBLK, INTERP, RB, CB)
+    if QCOL:
+        _quant_cols(x, rows, rmask, cols, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk, nblk,
+                    live, INTERP)
+
+
+@triton.jit
+def _gather_sum_kernel(src_ptr, rows_ptr, out_ptr, T, D, TOPK: tl.constexpr,
+                       INTERP: tl.constexpr, TB: tl.constexpr, CB: tl.constexpr):
+    """out[t] = sum_{j < k} src[rows[t, j]] in fp32, j in order (dispatch backward)."""
+    t = tl.program_id(0) * TB + tl.arange(0, TB)
+    tmask = t < T
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    mask = tmask[:, None] & (cols < D)[None, :]
+    acc = tl.zeros((TB, CB), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        r = tl.load(rows_ptr + t.to(tl.int64) * TOPK + j, mask=tmask, other=0).to(tl.int64)
+        acc += tl.load(src_ptr + r[:, None] * D + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + cols[None, :],
+             _rbf(acc, INTERP).to(tl.bfloat16), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU: h = [gate | up] (M, 2H) -> a = silu(gate) * up, quantized and/or BF16; and backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _exp(x, INTERP: tl.constexpr):
+    if INTERP:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
+                       H, M, RP,
+                       QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
+                       INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    cmask = cols < H
+    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
+    valid = (rmask & (src >= 0))[:, None] & cmask[None, :]
+    base = h_ptr + rows.to(tl.int64)[:, None] * (2 * H) + cols[None, :]
+    g = tl.load(base, mask=valid, other=0.0).to(tl.float32)
+    u = tl.load(base + H, mask=valid, other=0.0).to(tl.float32)
+    # PyTorch's BF16 `F.silu(gate) * up`: silu in fp32 rounded to BF16, product rounded to BF16.
+    s = _rbf(g / (1.0 + _exp(-g, INTERP)), INTERP)
+    a = _rbf(s * u, INTERP)
+    if BF16:
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], a.to(tl.bfloat16),
+                 mask=rmask[:, None] & cmask[None, :])
+    if QROW:
+        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
+        _quant_rows(a, rows, rmask, prow, cols, cmask, blk, blk < H // QBLK, qr_ptr, sr_ptr, H,
+                    H // QBLK, INTERP, RB, CB)
+    if QCOL:
+        _quant_cols(a, rows, rmask, cols, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk, nblk,
+                    live, INTERP)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
+                       H, M, RP,
+                       QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
+                       INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    cmask = cols < H
+    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
+    valid = (rmask & (src >= 0))[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    base = h_ptr + rows64[:, None] * (2 * H) + cols[None, :]
+    g = tl.load(base, mask=valid, other=0.0).to(tl.float32)
+    u = tl.load(base + H, mask=valid, other=0.0).to(tl.float32)
+    da = tl.load(da_ptr + rows64[:, None] * H + cols[None, :], mask=valid, other=0.0).to(
+        tl.float32)
+    # Autograd of the BF16 `F.silu(gate) * up`: mul backward in BF16, then PyTorch's CUDA
+    # silu_backward formula dy * sig * (1 + x * (1 - sig)) in fp32.
+    s = _rbf(g / (1.0 + _exp(-g, INTERP)), INTERP)
+    dup = _rbf(da * s, INTERP)
+    ds = _rbf(da * u, INTERP)
+    sig = 1.0 / (1.0 + _exp(-g, INTERP))
+    dg = _rbf(ds * sig * (1.0 + g * (1.0 - sig)), INTERP)
+    if BF16:
+        o = out_ptr + rows64[:, None] * (2 * H) + cols[None, :]
+        m2 = rmask[:, None] & cmask[None, :]
+        tl.store(o, dg.to(tl.bfloat16), mask=m2)
+        tl.store(o + H, dup.to(tl.bfloat16), mask=m2)
+    if QROW:
+        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
+        bmask = blk < H // QBLK
+        nb = 2 * H // QBLK
+        _quant_rows(dg, rows, rmask, prow, cols, cmask, blk, bmask, qr_ptr, sr_ptr, 2 * H, nb,
+                    INTERP, RB, CB)
+        _quant_rows(dup, rows, rmask, prow, cols + H, cmask, blk + H // QBLK, bmask, qr_ptr,
+                    sr_ptr, 2 * H, nb, INTERP, RB, CB)
+    if QCOL:
+        sbase = tiles * RP * 4
+        _quant_cols(dg, rows, rmask, cols, cmask, qc_ptr, sc_ptr, M, sbase, lblk, nblk, live,
+                    INTERP)
+        _quant_cols(dup, rows, rmask, cols + H, cmask, qc_ptr, sc_ptr, M, sbase, lblk, nblk,
+                    live, INTERP)
+
+
+# ---------------------------------------------------------------------------------------------
+# Combine: out[t] = sum_j bf16(y[rows[t, j]] * bf16(w[t, j])) in fp32 -> BF16; and backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _combine_fwd_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, T, D, TOPK: tl.constexpr,
+                        INTERP: tl.constexpr, TB: tl.constexpr, CB: tl.constexpr):
+    t = tl.program_id(0) * TB + tl.arange(0, TB)
+    tmask = t < T
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    mask = tmask[:, None] & (cols < D)[None, :]
+    t64 = t.to(tl.int64)
+    acc = tl.zeros((TB, CB), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        r = tl.load(rows_ptr + t64 * TOPK + j, mask=tmask, other=0).to(tl.int64)
+        w = tl.load(w_ptr + t64 * TOPK + j, mask=tmask, other=0.0)
+        w = _rbf(w, INTERP)
+        yv = tl.load(y_ptr + r[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += _rbf(yv * w[:, None], INTERP)
+    tl.store(out_ptr + t64[:, None] * D + cols[None, :], _rbf(acc, INTERP).to(tl.bfloat16),
+             mask=mask)
+
+
+@triton.jit
+def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr,
+                        sc_ptr, out_ptr, part_ptr, D, M, TOPK, RP,
+                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
+                        DW: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr,
+                        CB: tl.constexpr):
+    """Sorted-row gradient dy[r] = bf16(dout[t] * bf16(w[t, j])) for the pair (t, j) of row r
+    (zero for pad rows), quantized and/or BF16, and the partial routing-weight gradients
+    part[col tile, r] = sum over the tile's features of bf16(dout[t] * y[r]) (fp32)."""
+    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    cmask = cols < D
+    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
+    valid = rmask & (src >= 0)
+    m2 = valid[:, None] & cmask[None, :]
+    tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
+    w = tl.load(w_ptr + tl.where(valid, src, 0), mask=valid, other=0.0)
+    w = _rbf(w, INTERP)
+    g = tl.load(dout_ptr + tok[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    dy = _rbf(g * w[:, None], INTERP)
+    rows64 = rows.to(tl.int64)
+    if BF16:
+        tl.store(out_ptr + rows64[:, None] * D + cols[None, :], dy.to(tl.bfloat16),
+                 mask=rmask[:, None] & cmask[None, :])
+    if QROW:
+        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
+        _quant_rows(dy, rows, rmask, prow, cols, cmask, blk, blk < D // QBLK, qr_ptr, sr_ptr, D,
+                    D // QBLK, INTERP, RB, CB)
+    if QCOL:
+        _quant_cols(dy, rows, rmask, cols, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk, nblk,
+                    live, INTERP)
+    if DW:
+        yv = tl.load(y_ptr + rows64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(
+            tl.float32)
+        part = tl.sum(_rbf(g * yv, INTERP), axis=1)
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M + rows, part, mask=rmask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers (allocation and launch only; argument checks live in moe_mxfp8.datapath)
+# ---------------------------------------------------------------------------------------------
+
+
+def _u8(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A disabled output (its constexpr flag off) still needs a valid pointer: one element."""
+    return like.new_empty(1, dtype=torch.uint8) if t is None else t
+
+
+def _bf(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(1, dtype=torch.bfloat16) if t is None else t
+
+
+def _grid_rows(tbl: torch.Tensor, feats: int) -> tuple[int, int]:
+    return (tbl.shape[0], triton.cdiv(feats, COL_TILE))
+
+
+def dispatch(x, src, tbl, top_k, outs):
+    """``outs``: dict with any of qrow/srow/qcol/scol (uint8) and bf16 (M, D) preallocated."""
+    d, m = x.shape[1], src.numel()
+    if tbl.shape[0] == 0 or d == 0:
+        return
+    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
+    _dispatch_kernel[_grid_rows(tbl, d)](
+        x, src, tbl, _u8(qr, x), _u8(sr, x), _u8(qc, x), _u8(sc, x), _bf(ob, x),
+        d, m, top_k, (d + 127) // 128 * 128,
+        QROW=qr is not None, QCOL=qc is not None, BF16=ob is not None, INTERP=INTERPRET,
+        RB=BLOCK, CB=COL_TILE, num_warps=4)
+
+
+def gather_sum(src, rows, out):
+    t, k = rows.shape
+    d = src.shape[1]
+    if t == 0 or d == 0:
+        return
+    grid = (triton.cdiv(t, TOK_TILE), triton.cdiv(d, COL_TILE))
+    _gather_sum_kernel[grid](src, rows, out, t, d, TOPK=k, INTERP=INTERPRET, TB=TOK_TILE,
+                             CB=COL_TILE, num_warps=4)
+
+
+def swiglu_fwd(h, src, tbl, outs):
+    hh, m = h.shape[1] // 2, src.numel()
+    if tbl.shape[0] == 0 or hh == 0:
+        return
+    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
+    _swiglu_fwd_kernel[_grid_rows(tbl, hh)](
+        h, src, tbl, _u8(qr, h), _u8(sr, h), _u8(qc, h), _u8(sc, h), _bf(ob, h),
+        hh, m, (hh + 127) // 128 * 128,
+        QROW=qr is not None, QCOL=qc is not None, BF16=ob is not None, INTERP=INTERPRET,
+        RB=BLOCK, CB=COL_TILE, num_warps=4)
+
+
+def swiglu_bwd(da, h, src, tbl, outs):
+    hh, m = h.shape[1] // 2, src.numel()
+    if tbl.shape[0] == 0 or hh == 0:
+        return
+    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
+    _swiglu_bwd_kernel[_grid_rows(tbl, hh)](
+        da, h, src, tbl, _u8(qr, h), _u8(sr, h), _u8(qc, h), _u8(sc, h), _bf(ob, h),
+        hh, m, (2 * hh + 127) // 128 * 128,
+        QROW=qr is not None, QCOL=qc is not None, BF16=ob is not None, INTERP=INTERPRET,
+        RB=BLOCK, CB=COL_TILE, num_warps=4)
+
+
+def combine_fwd(y, rows, weights, out):
+    t, k = rows.shape
+    d = y.shape[1]
+    if t == 0 or d == 0:
+        return
+    grid = (triton.cdiv(t, TOK_TILE), triton.cdiv(d, COL_TILE))
+    _combine_fwd_kernel[grid](y, rows, weights, out, t, d, TOPK=k, INTERP=INTERPRET,
+                              TB=TOK_TILE, CB=COL_TILE, num_warps=4)
+
+
+def combine_bwd(dout, y, weights, src, tbl, top_k, outs, part):
+    """``part``: (ceil(D / COL_TILE), M) fp32 partial sums, or None (no weight gradient)."""
+    d, m = dout.shape[1], src.numel()
+    if tbl.shape[0] == 0 or d == 0:
+        return
+    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
+    _combine_bwd_kernel[_grid_rows(tbl, d)](
+        dout, y, weights, src, tbl, _u8(qr, y), _u8(sr, y), _u8(qc, y), _u8(sc, y), _bf(ob, y),
+        dout.new_empty(1, dtype=torch.float32) if part is None else part,
+        d, m, top_k, (d + 127) // 128 * 128,
+        QROW=qr is not None, QCOL=qc is not None, BF16=ob is not None, DW=part is not None,
+        INTERP=INTERPRET, RB=BLOCK, CB=COL_TILE, num_warps=4)
