@@ -2,7 +2,8 @@
 
 Public API: the quantizers (`quantize_rowwise`, `quantize_colwise`, `quantize_dual`,
 `quantize_weights`), `MXFP8Tensor`, the scale layouts (`moe_mxfp8.layout`), the reference
-(`moe_mxfp8.reference`) and backend selection (`moe_mxfp8.backend`).
+(`moe_mxfp8.reference`), backend selection (`moe_mxfp8.backend`) and checkpoints that record
+each layer's configuration (`moe_mxfp8.checkpoint`).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def _register_source_kernels() -> None:
 
 _register_source_kernels()
 
-from . import layout, reference  # noqa: E402
+from . import checkpoint, expert_parallel, layout, reference  # noqa: E402
 from .backend import resolve_backend  # noqa: E402
+from .experts import MXFP8GroupedExperts  # noqa: E402
 from .moe import MXFP8MoE  # noqa: E402
 from .mx_tensor import MXFP8Tensor  # noqa: E402
 from .ops import grouped_mm  # noqa: E402
+from .precompile import precompile  # noqa: E402
 from .quantize import (  # noqa: E402
     quantize_colwise,
     quantize_dual,
@@ -55,10 +58,14 @@ from .quantize import (  # noqa: E402
 )
 
 __all__ = [
+    "MXFP8GroupedExperts",
     "MXFP8MoE",
     "MXFP8Tensor",
+    "checkpoint",
+    "expert_parallel",
     "grouped_mm",
     "layout",
+    "precompile",
     "quantize_colwise",
     "quantize_dual",
     "quantize_rowwise",

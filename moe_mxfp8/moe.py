@@ -32,14 +32,18 @@ scores; for sigmoid scores, the scores normalised to sum 1 per token). Perfect b
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from . import datapath as DP
+from . import expert_parallel as EP
 from . import layout as L
-from .ops import WGRAD_MODES, WGRAD_ROW_ALIGN, check_weight_blocks, grouped_mm
+from .backend import check_backend_name
+from .ops import WGRAD_MODES, WGRAD_ROW_ALIGN, check_weight_blocks, grouped_mm, resolve_scale_blocks
 
 PRECISIONS = ("mxfp8", "bf16")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -54,15 +58,19 @@ TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 
 # the contract anyway, round_up(m, 16) <= round_up(m, 32) keeps every group's block count, and
 # all-zero blocks (scale byte 0, data 0) add exact zeros.
 GROUP_ALIGN_ROWS = WGRAD_ROW_ALIGN  # one constant: the wgrad kernel's token alignment
+# scale_blocks="1x128": groups padded to 128 rows, so each 128-token k-tile of the wgrad GEMM is
+# one whole 1x128 block of one group (no partial last block, no tail fix-up in the kernel);
+# exact for the same reason (a zero row never raises a block's amax)
+GROUP_ALIGN_ROWS_1X128 = 128
 
 
-def _padded_extent(m: int, num_experts: int) -> int:
+def _padded_extent(m: int, num_experts: int, align: int = GROUP_ALIGN_ROWS) -> int:
     """Static row count of the 16-aligned expert-sorted buffer: ``m`` pairs plus at most 15 pad
     rows per group, rounded to 16 (so the whole buffer's row count is a multiple of 16 too).
     The same bound as `kernels.grouped_gemm_common.k_aligned_extent` (kept apart: importing the
     kernels module needs CuTeDSL)."""
-    bound = m + (GROUP_ALIGN_ROWS - 1) * num_experts
-    return (bound + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
+    bound = m + (align - 1) * num_experts
+    return (bound + align - 1) // align * align
 
 
 class MXFP8MoE(nn.Module):
@@ -85,14 +93,29 @@ class MXFP8MoE(nn.Module):
         wgrad: ``"mxfp8"`` or ``"bf16"`` weight gradients of the expert GEMMs (mxfp8 only).
         save_colwise: forward saves the FP8 columnwise copy of the expert GEMM inputs for
             wgrad instead of re-quantizing them in backward (default; measured: same time, less
-            memory -- see `moe_mxfp8.grouped_mm`).
+            memory -- see `moe_mxfp8.grouped_mm`). The lean data path (`moe_mxfp8.datapath`,
+            used with 1x32 and 32x32 scale blocks) always writes that copy in its dispatch and
+            SwiGLU passes, so there the option changes nothing (same bytes either way).
         weight_blocks: ``"1x32"`` (default) or ``"32x32"``: scale blocks of the routed expert
             weights in fprop and dgrad (mxfp8 only; see `moe_mxfp8.grouped_mm`).
+        scale_blocks: the scale-block recipe of the expert GEMMs (mxfp8 only; one vocabulary
+            with `moe_mxfp8.grouped_mm` and the quantizers): ``"1x32"`` (default, exact MXFP8),
+            ``"32x32"`` (= ``weight_blocks="32x32"``) or ``"1x128"`` (activations/gradients one
+            scale per 128 elements, weights per 128x128 tile; groups padded to 128 rows; still
+            MXFP8 tensors, faster on Hopper: docs/numerics.md "The 1x128 recipe").
         num_shared_experts: ``S >= 0`` shared experts (DeepSeek-V3 / Qwen-MoE / torchtitan): one
             dense SwiGLU FFN of hidden size ``S * hidden_dim`` -- torchtitan's
             ``FeedForward(dim, hidden_dim * num_shared_experts)`` -- applied to every token, its
             output added to the routed output. It runs in BF16 (``F.linear``) for both
             precisions: like torchao, which converts only the routed experts to MXFP8.
+        ep_group: a ``torch.distributed`` process group for expert parallelism (None: off).
+            Each rank then holds ``E / ep_size`` experts (``w_gate_up``/``w_down`` sharded on
+            dim 0) and its tokens travel to their experts' ranks by all-to-all; see
+            `moe_mxfp8.expert_parallel` (checkpoint helpers there too).
+        ep_payload: ``"mxfp8"`` (tokens quantized once and sent as E4M3 + E8M0 bytes; the
+            default for precision "mxfp8") or ``"bf16"`` (the default for "bf16").
+        ep_grad_payload: ``"bf16"`` (default) or ``"mxfp8"``: the output gradient's dispatch to
+            the experts in backward. Expert outputs and input gradients return in BF16.
         device, dtype: of the parameters. ``dtype`` may be bfloat16 (default), float32 (e.g.
             master weights; cast to BF16 for the expert GEMMs in forward) or float16.
 
@@ -107,6 +130,7 @@ class MXFP8MoE(nn.Module):
 
     Attributes set by each forward:
         ``aux_loss``: scalar float32 tensor (in the graph), ``None`` before the first forward.
+            A copy of the layer (``copy.deepcopy``, pickle) holds it detached.
         ``tokens_per_expert``: ``(E,)`` int64, detached (routed (token, slot) pairs per expert).
 
     Input ``x (..., D)`` in bfloat16, float16 or float32; the output has x's shape and dtype.
@@ -130,7 +154,11 @@ class MXFP8MoE(nn.Module):
         wgrad: str = "mxfp8",
         save_colwise: bool = True,
         weight_blocks: str = "1x32",
+        scale_blocks: str = "1x32",
         num_shared_experts: int = 0,
+        ep_group=None,
+        ep_payload: str | None = None,
+        ep_grad_payload: str = "bf16",
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -151,6 +179,20 @@ class MXFP8MoE(nn.Module):
         if wgrad not in WGRAD_MODES:
             raise ValueError(f"MXFP8MoE: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
         check_weight_blocks(weight_blocks, "MXFP8MoE")
+        scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks, "MXFP8MoE")
+        check_backend_name(backend, "MXFP8MoE", env=precision == "mxfp8")
+        for name, v in (("renormalize", renormalize), ("save_colwise", save_colwise)):
+            if not isinstance(v, bool):
+                raise TypeError(f"MXFP8MoE: {name} must be a bool, got {v!r}")
+        if (
+            not isinstance(aux_loss_coef, (int, float))
+            or isinstance(aux_loss_coef, bool)
+            or not math.isfinite(aux_loss_coef)
+            or aux_loss_coef < 0
+        ):
+            raise ValueError(
+                f"MXFP8MoE: aux_loss_coef must be a finite number >= 0, got {aux_loss_coef!r}"
+            )
         if (
             not isinstance(num_shared_experts, int)
             or isinstance(num_shared_experts, bool)
@@ -179,14 +221,18 @@ class MXFP8MoE(nn.Module):
         self.aux_loss_coef = float(aux_loss_coef)
         self.wgrad = wgrad
         self.save_colwise = bool(save_colwise)
-        self.weight_blocks = weight_blocks
+        self.scale_blocks = scale_blocks
+        self.weight_blocks = scale_blocks if scale_blocks == "32x32" else "1x32"  # older name
+        self.group_align_rows = (GROUP_ALIGN_ROWS_1X128 if scale_blocks == "1x128"
+                                 else GROUP_ALIGN_ROWS)
         self.num_shared_experts = num_shared_experts
         self.shared_hidden_dim = num_shared_experts * hidden_dim  # torchtitan's FeedForward
+        e_local = EP.setup_layer(self, ep_group, ep_payload, ep_grad_payload)  # E / ep_size
 
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(dim, num_experts, bias=False, **factory)
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **factory))
-        self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
+        self.w_gate_up = nn.Parameter(torch.empty(e_local, 2 * hidden_dim, dim, **factory))
+        self.w_down = nn.Parameter(torch.empty(e_local, dim, hidden_dim, **factory))
         if num_shared_experts:
             hs = self.shared_hidden_dim
             self.shared_w_gate_up = nn.Parameter(torch.empty(2 * hs, dim, **factory))
@@ -222,9 +268,40 @@ class MXFP8MoE(nn.Module):
             s += f", backend={self.backend!r}, wgrad={self.wgrad!r}"
             if self.weight_blocks != "1x32":
                 s += f", weight_blocks={self.weight_blocks!r}"
+            if self.scale_blocks == "1x128":
+                s += f", scale_blocks={self.scale_blocks!r}"
             if not self.save_colwise:
                 s += ", save_colwise=False"
         return s
+
+    # -----------------------------------------------------------------------------------------
+    # the layer as an object: copies and checkpoint configuration
+    # -----------------------------------------------------------------------------------------
+
+    # Constructor arguments that change what the parameters mean: `moe_mxfp8.checkpoint` records
+    # them and loads a checkpoint only into a layer that agrees on every one. precision, backend,
+    # wgrad, save_colwise, weight_blocks, scale_blocks, aux_loss_coef and dtype do not change the
+    # meaning (the BF16 twin loads an MXFP8 checkpoint by design).
+    CHECKPOINT_FIELDS = (
+        "dim", "hidden_dim", "num_experts", "top_k", "num_shared_experts", "score_func",
+        "renormalize",
+    )
+
+    def checkpoint_config(self) -> dict:
+        """The `CHECKPOINT_FIELDS` of this layer, plus ``expert_shard``: ``[ep_rank, ep_size]``
+        when the expert tensors hold one rank's share of the experts, else None (all of them)."""
+        cfg = {name: getattr(self, name) for name in self.CHECKPOINT_FIELDS}
+        ep_size = getattr(self, "ep_size", 1)
+        cfg["expert_shard"] = [self.ep_rank, ep_size] if ep_size > 1 else None
+        return cfg
+
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, pickle) takes ``aux_loss`` detached: the live tensor holds
+        the last forward's autograd graph, which cannot be copied (EMA and eval copies)."""
+        state = super().__getstate__()
+        if isinstance(state.get("aux_loss"), torch.Tensor):
+            state["aux_loss"] = state["aux_loss"].detach()
+        return state
 
     # -----------------------------------------------------------------------------------------
     # checks
@@ -312,8 +389,8 @@ class MXFP8MoE(nn.Module):
             backend=self.backend,
             wgrad=self.wgrad,
             save_colwise=self.save_colwise,
-            weight_blocks=self.weight_blocks,
-            aligned_groups=True,  # forward() pads every expert group to 16 rows
+            scale_blocks=self.scale_blocks,
+            aligned_groups=True,  # forward() pads every expert group to 16 (1x128: 128) rows
         )
 
     def _shared_experts(self, x: torch.Tensor) -> torch.Tensor:
@@ -324,26 +401,29 @@ class MXFP8MoE(nn.Module):
         return F.linear(F.silu(gate) * up, self.shared_w_down.to(COMPUTE_DTYPE))  # (T, D)
 
     @staticmethod
-    def _aligned_rows(counts: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _aligned_rows(counts: torch.Tensor, m: int,
+                      align: int = GROUP_ALIGN_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the padded expert-sorted buffer for the ``m`` sorted pairs, and its ``offs``.
 
         Group g starts at ``sum_{h<g} round_up(m_h, 16)``; the last group also absorbs the slack
         up to the static extent `_padded_extent` (sizes never depend on ``counts`` on the host).
         """
         e = counts.numel()
-        padded = (counts + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
+        padded = (counts + align - 1) // align * align
         pad_start = torch.cumsum(padded, 0) - padded
         start = torch.cumsum(counts, 0) - counts
         g = torch.repeat_interleave(torch.arange(e, device=counts.device), counts, output_size=m)
         rows = pad_start[g] + torch.arange(m, device=counts.device) - start[g]
         # The last end is the static extent; built on the device (an in-place write of a Python
         # int into a CUDA tensor is a host->device copy, which syncs: seen on the H100).
-        extent = counts.new_full((1,), _padded_extent(m, e))
+        extent = counts.new_full((1,), _padded_extent(m, e, align))
         offs = torch.cat([torch.cumsum(padded, 0)[:-1], extent])
         return rows, offs.to(torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., dim)`` -> ``(..., dim)`` (same dtype); sets ``self.aux_loss``."""
+        if self.ep_group is not None:
+            return EP.ep_forward(self, x)  # expert parallel: moe_mxfp8.expert_parallel
         self._check_input(x)
         k = self.top_k
         x_flat = rearrange(x, "... d -> (...) d")  # (T, D)
@@ -353,11 +433,27 @@ class MXFP8MoE(nn.Module):
         self.aux_loss = aux
         self.tokens_per_expert = counts.detach()
 
+        if self.precision == "bf16" or getattr(self, "scale_blocks", "1x32") in DP.WEIGHT_BLOCKS:
+            # The lean data path (moe_mxfp8.datapath): dispatch writes the sorted, group-padded
+            # rows already quantized, SwiGLU and combine are fused with (de)quantization, the
+            # backward sums in a fixed order (deterministic). The BF16 twin uses the same kernels.
+            align = self.group_align_rows if self.precision == "mxfp8" else 1
+            rows, src, offs = DP.route_layout(expert_ids, counts, align)
+            out = DP.routed_experts(
+                x_flat.to(COMPUTE_DTYPE), self.w_gate_up.to(COMPUTE_DTYPE),
+                self.w_down.to(COMPUTE_DTYPE), weights, rows, src, offs,
+                precision=self.precision, backend=self.backend, wgrad=self.wgrad,
+                weight_blocks=self.weight_blocks,
+            )
+            if self.num_shared_experts:
+                out = out + self._shared_experts(x_flat.to(COMPUTE_DTYPE))  # (T, D) bf16
+            return out.to(x.dtype).reshape(x.shape)
+
         # Sort the T*k (token, slot) pairs by expert; stable, so tokens keep their order.
         order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
         if self.precision == "mxfp8":
-            rows, offs = self._aligned_rows(counts, t * k)
-            m_pad = _padded_extent(t * k, counts.numel())
+            rows, offs = self._aligned_rows(counts, t * k, self.group_align_rows)
+            m_pad = _padded_extent(t * k, counts.numel(), self.group_align_rows)
             x_sorted = x_flat.new_zeros(m_pad, self.dim, dtype=COMPUTE_DTYPE)
             x_sorted[rows] = x_flat.to(COMPUTE_DTYPE)[order // k]  # (M_pad, D), zero padding
         else:

@@ -1,0 +1,416 @@
+"""Expert parallelism (EP) for `MXFP8MoE` over ``torch.distributed``: dispatch, combine, state.
+
+With ``MXFP8MoE(..., ep_group=group)`` each of the ``P = group.size()`` ranks holds
+``E_l = E / P`` experts -- rank ``r`` holds experts ``[r E_l, (r+1) E_l)``, so ``w_gate_up`` is
+``(E_l, 2H, D)`` and ``w_down`` ``(E_l, D, H)`` -- while the router and the shared experts are
+replicated. Every rank routes its own tokens; the (token, slot) pairs travel to their expert's rank
+and the expert outputs travel back (two ``all_to_all_single`` per direction, no transport of our
+own: NCCL on GPUs, gloo on CPUs)::
+
+    route     weights, expert ids, counts (E,) of the rank's T tokens          (as MXFP8MoE)
+    sizes     all_to_all_single of counts (E,) int64 -> recv_counts (P, E_l)   on the device
+    splits    send/recv rows per peer to the host: the one sync the collective needs
+    dispatch  payload "mxfp8": quantize the T tokens rowwise ONCE (E4M3 + E8M0 per 32 along D),
+              gather the T k pairs in expert order as rows [D data bytes | D/32 scale bytes]
+              (uint8: gloo has no float8; one collective carries both), all_to_all_single;
+              payload "bf16": the BF16 rows themselves.
+    land      the received rows (source-major, then expert; dequantized to BF16) go to their
+              rows of the local experts' expert-sorted layout (`make_plan`: expert j's group
+              holds the pairs of source 0, then 1, ... -- the single-GPU order of the
+              concatenated batch; groups start on multiples of 16 rows, 128 for the 1x128
+              recipe, as on one GPU). With the lean data path (`moe_mxfp8.datapath`, 1x32 and
+              32x32 recipes, BF16 twin) this landing is its dispatch, fused with the MXFP8
+              quantization of the GEMM operands: the received rows enter its routed-expert
+              block as tokens with one slot of weight 1; otherwise a scatter into a zero-padded
+              buffer and the layer's grouped GEMMs.
+    experts   the local experts' SwiGLU on that layout, the single-GPU layer's code path
+    combine   output rows back to their source rank in BF16 (all_to_all_single), un-permuted
+              and weighted there exactly as on one GPU.
+
+Backward is the mirror image, through autograd: the combine's backward dispatches ``dy`` to the
+experts (payload ``ep_grad_payload``: ``"bf16"``, default, or ``"mxfp8"``) and the dispatch's
+backward returns ``dx`` in BF16 to the source ranks, where the k copies of a token are summed.
+
+Numerics (`docs/numerics.md`). The GEMM re-quantizes its BF16 operand rowwise along D with the
+same 32-blocks as the dispatch; the E4M3 x 2^e values of a dequantized block quantize back to
+themselves, so the fprop GEMM with an MXFP8 payload sees exactly the values the single-GPU layer
+computes with, and the layer output is the same bit for bit. What differs is the columnwise (along
+tokens) copy of ``x`` for the ``w_gate_up`` weight gradient: it is quantized from the dequantized
+tokens; likewise ``w_down``'s weight gradient with an MXFP8 ``dy`` payload. Rounding to E4M3
+twice is rounding once for every element that is normal in both blocks (a 3-bit mantissa
+relative to the element's own exponent, whatever the block scale), so only elements ~2^-14 below
+their block's maximum differ: measured 94-120 dB SQNR against the single-GPU gradient (4096
+tokens; Gaussian, Student-t(3), outlier channels). Everything else -- output, input gradient, the
+other expert gradients -- is bit-identical to the single-GPU layer on the concatenated batch
+(tests/test_expert_parallel.py). With ``scale_blocks="1x128"`` the payload's 1x32 blocks are not
+the GEMM's 1x128 blocks, so an MXFP8 payload rounds the tokens once more (use ``"bf16"`` there
+for the single-GPU numerics).
+The straight-through backward of the dispatch (``dx`` of the dequantized tokens is ``dx`` of the
+tokens) is the one the single-GPU layer has too: its quantization lives inside the GEMM.
+
+Replicated parameters (router, shared experts) get each rank's local gradient; sum them over the
+group (data parallelism does; `all_reduce_replicated_grads` otherwise). ``aux_loss`` is computed
+from the rank's own tokens (as torchtitan's per-rank load-balancing statistics are), and so is
+``tokens_per_expert`` (its pairs per global expert).
+
+Checkpoints: a rank's ``state_dict`` holds its expert shard under the usual keys. A full
+(single-GPU) checkpoint loads into an EP layer directly -- a load hook slices the rank's experts;
+`full_state_dict` gathers the shards back into a single-GPU checkpoint (a collective);
+`merge_expert_shards` / `shard_expert_state_dict` do the same offline on saved per-rank dicts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from . import datapath as DP
+from . import layout as L
+from .quantize import quantize_rowwise
+from .reference import e8m0_to_float32
+
+EP_PAYLOADS = ("mxfp8", "bf16")
+EXPERT_PARAMS = ("w_gate_up", "w_down")  # sharded on dim 0; every other parameter is replicated
+COMPUTE_DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Group and options
+# ---------------------------------------------------------------------------------------------
+
+
+def group_info(group, num_experts: int, who: str = "MXFP8MoE") -> tuple[int, int]:
+    """``(ep_size, ep_rank)`` of ``group``; checks that the experts split evenly over it."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{who}: ep_group needs an initialized torch.distributed process group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{who}: ep_group must be a torch.distributed ProcessGroup, got "
+                        f"{type(group).__name__}")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{who}: this process is not a member of ep_group")
+    if num_experts % size:
+        raise ValueError(
+            f"{who}: num_experts={num_experts} must be a multiple of the expert-parallel group "
+            f"size {size} (each rank holds num_experts / ep_size experts)"
+        )
+    return size, rank
+
+
+def check_payload(name: str, value, who: str = "MXFP8MoE") -> str:
+    if value not in EP_PAYLOADS:
+        raise ValueError(f"{who}: {name} must be one of {EP_PAYLOADS}, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: sizes exchanged, split sizes on the host, landing rows of the received pairs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    group: dist.ProcessGroup
+    send_splits: list[int]  # rows this rank sends to each peer (its pairs, expert-sorted)
+    recv_splits: list[int]  # rows it receives from each peer
+    land: Tensor  # (R,) int64: row of the expert-sorted layout for each received row
+    offs: Tensor  # (E_l,) int32 cumulative group ends of that layout
+    rows: int  # M: rows of that layout (R, or the aligned static extent)
+
+
+def exchange_counts(counts: Tensor, group) -> Tensor:
+    """``counts (E,)`` int64 of this rank's pairs per global expert -> ``(P, E_l)``: pairs that
+    each source rank sends to each local expert. One equal-split all-to-all, on the device."""
+    size = dist.get_world_size(group)
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts.contiguous(), group=group)
+    return recv.view(size, -1)
+
+
+def make_plan(counts: Tensor, group, align: int) -> _Plan:
+    """Sizes first, then where every received pair lands (all on the device but the splits).
+
+    ``align > 1``: every local expert's group starts on a multiple of ``align`` rows and the
+    layout has the single-GPU layer's static extent (``layer.group_align_rows``: 16, 128 for the
+    1x128 recipe); ``align == 1``: the groups are packed (precision "bf16").
+    """
+    size = dist.get_world_size(group)
+    recv_counts = exchange_counts(counts, group)  # (P, E_l)
+    e_local = recv_counts.shape[1]
+    # The split sizes must be host ints (the collective's API): one device->host copy of 2P ints.
+    splits = torch.stack([counts.view(size, e_local).sum(1), recv_counts.sum(1)]).cpu()
+    send_splits, recv_splits = splits[0].tolist(), splits[1].tolist()
+    r = sum(recv_splits)
+
+    local = recv_counts.sum(0)  # (E_l,) pairs per local expert
+    grp = (local + align - 1) // align * align
+    m = DP.padded_extent(r, e_local, align)  # static in r: no further host reads
+    grp_start = torch.cumsum(grp, 0) - grp  # (E_l,)
+    # Chunk (s, j): pairs from source s for local expert j; received s-major, landed j-major.
+    before = torch.cumsum(recv_counts, 0) - recv_counts  # (P, E_l) pairs of j from sources < s
+    dest_start = (grp_start[None, :] + before).reshape(-1)
+    sizes = recv_counts.reshape(-1)
+    src_start = torch.cumsum(sizes, 0) - sizes
+    chunk = torch.repeat_interleave(torch.arange(sizes.numel(), device=counts.device), sizes,
+                                    output_size=r)
+    land = dest_start[chunk] + torch.arange(r, device=counts.device) - src_start[chunk]
+    ends = torch.cumsum(grp, 0)
+    # the last group absorbs the slack up to the static extent (as MXFP8MoE._aligned_rows)
+    offs = torch.cat([ends[:-1], ends.new_full((1,), m)]).to(torch.int32)
+    return _Plan(group, send_splits, recv_splits, land, offs, m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Payloads
+# ---------------------------------------------------------------------------------------------
+
+
+def _all_to_all(send: Tensor, out_rows: int, out_splits, in_splits, group) -> Tensor:
+    out = send.new_empty(out_rows, *send.shape[1:])
+    dist.all_to_all_single(out, send.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def pack_mxfp8_rows(x: Tensor, index: Tensor, backend: str) -> Tensor:
+    """Quantize ``x (T, D)`` rowwise once and gather rows ``index`` as uint8 payload rows
+    ``[D E4M3 bytes | D/32 E8M0 scale bytes]`` ``(len(index), D + D/32)``."""
+    t, d = x.shape
+    nb = d // L.BLOCK_SIZE
+    if t == 0:
+        return x.new_empty(index.numel(), d + nb, dtype=torch.uint8)
+    q = quantize_rowwise(x.detach().to(COMPUTE_DTYPE).contiguous(), backend=backend)  # packed
+    # Each token's scale bytes straight out of the packed layout (no unpack pass).
+    rr = torch.arange(t, device=x.device)[:, None]
+    cc = torch.arange(nb, device=x.device)[None, :]
+    scales = q.scale.reshape(-1)[L.packed_scale_offset(rr, cc, nb)]  # (T, D/32)
+    return torch.cat([q.data.view(torch.uint8), scales], dim=1)[index]
+
+
+def unpack_mxfp8_rows(rows: Tensor, d: int) -> Tensor:
+    """Payload rows ``(R, D + D/32)`` uint8 -> ``(R, D)`` BF16 (``E4M3 * 2^(s - 127)``)."""
+    data = rows[:, :d].view(FP8).to(torch.float32)
+    scale = e8m0_to_float32(rows[:, d:])  # (R, D/32)
+    data = rearrange(data, "r (b k) -> r b k", k=L.BLOCK_SIZE) * scale[..., None]
+    return rearrange(data, "r b k -> r (b k)").to(COMPUTE_DTYPE)
+
+
+def _send_rows(x: Tensor, index: Tensor, payload: str, backend: str, plan: _Plan,
+               reverse: bool) -> Tensor:
+    """Rows ``x[index]`` to the peers -> ``(rows received, D)`` BF16. ``reverse``: the
+    combine's direction (send as much as was received in the dispatch, and vice versa)."""
+    out_splits, in_splits = (
+        (plan.send_splits, plan.recv_splits) if reverse else (plan.recv_splits, plan.send_splits)
+    )
+    n_out = sum(out_splits)
+    if payload == "mxfp8":
+        rows = pack_mxfp8_rows(x, index, backend)
+        got = _all_to_all(rows, n_out, out_splits, in_splits, plan.group)
+        return unpack_mxfp8_rows(got, x.shape[1])
+    return _all_to_all(x.to(COMPUTE_DTYPE)[index], n_out, out_splits, in_splits, plan.group)
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x (T, D)`` -> ``(R, D)`` BF16: the pairs ``x[src_index]`` this rank's experts receive, in
+    arrival order (source-major, then expert). Backward returns their gradients in BF16 and sums
+    the k copies of each token."""
+
+    @staticmethod
+    def forward(ctx, x, src_index, plan, payload, backend):
+        ctx.plan, ctx.t, ctx.dtype = plan, x.shape[0], x.dtype
+        ctx.save_for_backward(src_index)
+        return _send_rows(x, src_index, payload, backend, plan, reverse=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (src_index,) = ctx.saved_tensors
+        plan = ctx.plan
+        back = _all_to_all(grad.to(COMPUTE_DTYPE), sum(plan.send_splits), plan.send_splits,
+                           plan.recv_splits, plan.group)  # (T k, D): the pairs' gradients
+        dx = back.new_zeros(ctx.t, back.shape[1])
+        # The k copies of a token summed in the same op and order as the gather's backward on
+        # one GPU (index_put with accumulate).
+        dx.index_put_((src_index,), back, accumulate=True)
+        return dx.to(ctx.dtype), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """``y (R, D)`` BF16 expert outputs in arrival order -> ``(T k, D)`` this rank's pairs'
+    outputs, expert-sorted (BF16, exact). Backward dispatches ``dy`` with ``grad_payload``."""
+
+    @staticmethod
+    def forward(ctx, y, plan, grad_payload, backend):
+        ctx.plan, ctx.grad_payload, ctx.backend = plan, grad_payload, backend
+        return _all_to_all(y.to(COMPUTE_DTYPE), sum(plan.send_splits), plan.send_splits,
+                           plan.recv_splits, plan.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx = torch.arange(grad.shape[0], device=grad.device)
+        dy = _send_rows(grad, idx, ctx.grad_payload, ctx.backend, ctx.plan, reverse=False)
+        return dy, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer's forward with expert parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_experts(layer, x_recv: Tensor, plan: _Plan) -> Tensor:
+    """The local experts on the received pairs ``(R, D)`` -> their outputs ``(R, D)`` BF16, on
+    the same code path the single-GPU layer takes (`MXFP8MoE.forward`)."""
+    if layer.precision == "bf16" or getattr(layer, "scale_blocks", "1x32") in DP.WEIGHT_BLOCKS:
+        # The lean data path's routed-expert block, each received pair a "token" with one slot
+        # of weight 1: its dispatch lands row i at plan.land[i] (quantizing on the way), its
+        # combine returns y[land[i]] (bf16(y * 1) summed once: exact) -- and its backward takes
+        # dy rows as they come (bf16(dy * 1)).
+        r = x_recv.shape[0]
+        ar = torch.arange(r, device=x_recv.device)
+        src = torch.full((plan.rows,), -1, dtype=torch.int32, device=x_recv.device)
+        src = src.index_put_((plan.land,), ar.to(torch.int32))
+        ones = torch.ones(r, 1, dtype=torch.float32, device=x_recv.device)
+        return DP.routed_experts(
+            x_recv, layer.w_gate_up.to(COMPUTE_DTYPE), layer.w_down.to(COMPUTE_DTYPE), ones,
+            plan.land.to(torch.int32).view(r, 1), src, plan.offs, precision=layer.precision,
+            backend=layer.backend, wgrad=layer.wgrad, weight_blocks=layer.weight_blocks,
+        )
+    # Recipes outside the lean path (1x128): land in the padded layout, the layer's grouped GEMMs.
+    x_sorted = x_recv.new_zeros(plan.rows, x_recv.shape[1])
+    x_sorted[plan.land] = x_recv  # padding rows stay zero
+    h = layer._expert_mm(x_sorted, layer.w_gate_up, plan.offs)  # (M, 2H)
+    gate, up = rearrange(h, "m (two h) -> two m h", two=2)
+    return layer._expert_mm(F.silu(gate) * up, layer.w_down, plan.offs)[plan.land]
+
+
+def ep_forward(layer, x: Tensor) -> Tensor:
+    """`MXFP8MoE.forward` with ``ep_group`` set: ``x (..., D)`` this rank's tokens."""
+    layer._check_input(x)
+    k = layer.top_k
+    x_flat = rearrange(x, "... d -> (...) d")  # (T, D)
+    t = x_flat.shape[0]
+
+    weights, expert_ids, counts, aux = layer._route(x_flat)
+    layer.aux_loss = aux
+    layer.tokens_per_expert = counts.detach()
+
+    order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
+    align = layer.group_align_rows if layer.precision == "mxfp8" else 1
+    plan = make_plan(counts, layer.ep_group, align)
+    x_recv = _Dispatch.apply(x_flat, order // k, plan, layer.ep_payload, layer.backend)
+    y_recv = _local_experts(layer, x_recv, plan)  # (R, D)
+    y_local = _Combine.apply(y_recv, plan, layer.ep_grad_payload, layer.backend)  # (T*k, D)
+
+    # From here on the single-GPU layer's combine: bf16(y * bf16(w)) summed over k in fp32.
+    y_pairs = torch.empty_like(y_local).index_copy_(0, order, y_local)
+    y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
+    out = (y_pairs * rearrange(weights.to(COMPUTE_DTYPE), "t k -> t k 1")).sum(dim=1)
+    if layer.num_shared_experts:
+        out = out + layer._shared_experts(x_flat.to(COMPUTE_DTYPE))
+    return out.to(x.dtype).reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients of replicated parameters, checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def replicated_parameters(layer):
+    """``(name, parameter)`` of the parameters every rank holds whole (router, shared experts)."""
+    return [(n, p) for n, p in layer.named_parameters() if n not in EXPERT_PARAMS]
+
+
+def all_reduce_replicated_grads(layer) -> None:
+    """Sum the replicated parameters' gradients over ``layer.ep_group`` (when no data-parallel
+    wrapper does it): each rank's gradient covers only its own tokens."""
+    for _, p in replicated_parameters(layer):
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=layer.ep_group)
+
+
+def _expert_keys(sd, prefix: str = ""):
+    return [prefix + n for n in EXPERT_PARAMS if prefix + n in sd]
+
+
+def shard_expert_state_dict(sd: dict, ep_rank: int, ep_size: int, prefix: str = "") -> dict:
+    """A full (single-GPU) state dict -> rank ``ep_rank``'s: expert tensors sliced on dim 0."""
+    out = dict(sd)
+    for key in _expert_keys(sd, prefix):
+        e = sd[key].shape[0]
+        if e % ep_size:
+            raise ValueError(f"{key}: {e} experts do not split over {ep_size} ranks")
+        n = e // ep_size
+        out[key] = sd[key][ep_rank * n:(ep_rank + 1) * n]
+    return out
+
+
+def merge_expert_shards(sds: list[dict], prefix: str = "") -> dict:
+    """Per-rank state dicts (rank order) -> one full state dict: experts concatenated on dim 0,
+    replicated tensors taken from rank 0."""
+    out = dict(sds[0])
+    for key in _expert_keys(sds[0], prefix):
+        out[key] = torch.cat([sd[key] for sd in sds], dim=0)
+    return out
+
+
+def full_state_dict(layer) -> dict:
+    """The single-GPU state dict of an EP layer, on every rank (an all-gather per expert
+    tensor: a collective, call it on every rank of ``layer.ep_group``)."""
+    sd = layer.state_dict()
+    size = layer.ep_size
+    for key in EXPERT_PARAMS:
+        shard = sd[key].contiguous()
+        parts = [torch.empty_like(shard) for _ in range(size)]
+        dist.all_gather(parts, shard, group=layer.ep_group)
+        sd[key] = torch.cat(parts, dim=0)
+    return sd
+
+
+def _load_full_hook(layer, state_dict, prefix, *args, **kwargs) -> None:
+    """``load_state_dict`` pre-hook: a single-GPU checkpoint's expert tensors (``E`` experts)
+    are sliced to this rank's ``E_l``; a shard of the right size loads as is."""
+    for name in EXPERT_PARAMS:
+        key = prefix + name
+        v = state_dict.get(key)
+        if v is not None and v.shape[0] == layer.num_experts != layer.num_local_experts:
+            n = layer.num_local_experts
+            state_dict[key] = v[layer.ep_rank * n:(layer.ep_rank + 1) * n]
+
+
+def _share_group_on_deepcopy(layer) -> None:
+    """``copy.deepcopy`` of an EP layer (EMA or eval copies) shares its process group: a
+    communicator is a handle, not state, and cannot be copied. Pickling still refuses the group
+    (save ``state_dict``s instead)."""
+
+    def deepcopy_hook(memo):
+        memo[id(layer.ep_group)] = layer.ep_group
+        del layer.__dict__["__deepcopy__"]  # the plain module copy, then the hook again
+        try:
+            new = copy.deepcopy(layer, memo)
+        finally:
+            layer.__dict__["__deepcopy__"] = deepcopy_hook
+        _share_group_on_deepcopy(new)
+        return new
+
+    layer.__dict__["__deepcopy__"] = deepcopy_hook
+
+
+def setup_layer(layer, group, ep_payload, ep_grad_payload) -> int:
+    """Set the EP attributes of an `MXFP8MoE` being built; returns its local expert count."""
+    if group is None:
+        layer.ep_group, layer.ep_size, layer.ep_rank = None, 1, 0
+    else:
+        layer.ep_group = group
+        layer.ep_size, layer.ep_rank = group_info(group, layer.num_experts)
+        layer.register_load_state_dict_pre_hook(_load_full_hook)
+        _share_group_on_deepcopy(layer)
+    default = "mxfp8" if layer.precision == "mxfp8" else "bf16"
+    layer.ep_payload = check_payload("ep_payload", default if ep_payload is None else ep_payload)
+    layer.ep_grad_payload = check_payload("ep_grad_payload", ep_grad_payload)
+    layer.num_local_experts = layer.num_experts // layer.ep_size
+    return layer.num_local_experts

@@ -1,0 +1,154 @@
+"""`MXFP8GroupedExperts`: torchtitan's ``GroupedExperts`` interface with MXFP8 grouped GEMMs.
+
+torchtitan's MoE (``torchtitan/models/moe/moe.py``) routes and permutes the tokens itself -- and
+with expert parallelism dispatches them through its own all-to-all -- and then calls
+``experts(x, num_tokens_per_expert)`` on tokens already sorted by expert. This module has that
+call and torchtitan's parameter names and shapes, so it swaps in for ``GroupedExperts`` (see
+``train_example/torchtitan_swap.py``); checkpoints, sharding plans and optimizers keep working::
+
+    w1  (E, H, D)   gate projection     h = silu(x w1^T) * (x w3^T)
+    w3  (E, H, D)   up projection       out = h w2^T
+    w2  (E, D, H)   down projection
+
+Forward: ``offs = cumsum(num_tokens_per_expert)`` (int32, on the device, no host sync); gate and
+up run as one MXFP8 grouped GEMM with ``N = 2H`` over ``[w1; w3]`` (concatenated per call: the
+quantizer reads the weights once either way), then the down GEMM; ``out`` has ``x``'s dtype.
+
+Rows of ``x`` past ``sum(num_tokens_per_expert)`` -- torchtitan's static-size padding after
+``generate_permute_indices`` (how it fills them differs between torchtitan versions) -- are
+replaced by zeros (one ``torch.where`` pass over ``x``) and join the last expert's group, where
+zero rows give zero outputs and add exact zeros to its weight gradient (the same "last group
+absorbs the slack" layout as `MXFP8MoE`), so nothing reads the counts on the host and whatever
+those rows held reaches no result. ``aligned_groups=True`` tells the wgrad kernels that every
+group starts on a multiple of 16 rows, which holds when torchtitan's token-group alignment
+(``TOKEN_GROUP_ALIGN_SIZE_M``) is a multiple of 16 and ``num_tokens_per_expert`` are its padded
+counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from . import layout as L
+from .ops import WGRAD_MODES, check_weight_blocks, grouped_mm
+
+PRECISIONS = ("mxfp8", "bf16")
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter (torchtitan's EP/FSDP plans) as this rank's plain tensor."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p
+
+
+class MXFP8GroupedExperts(nn.Module):
+    """SwiGLU experts on expert-sorted tokens: ``forward(x (M, D), num_tokens_per_expert (E,))``.
+
+    Args:
+        dim, hidden_dim, num_experts: ``D``, ``H``, ``E`` (this rank's experts under EP).
+            ``D`` and ``H`` multiples of 32 for ``"mxfp8"``.
+        use_grouped_mm: torchtitan's argument, accepted for the same signature; the experts
+            always run as grouped GEMMs (its for-loop path computes the same math).
+        precision: ``"mxfp8"`` (`moe_mxfp8.grouped_mm`) or ``"bf16"`` (``torch._grouped_mm``).
+        backend, wgrad, save_colwise, weight_blocks: as in `MXFP8MoE` (mxfp8 only).
+        aligned_groups: every group starts on a multiple of 16 rows (see the module doc).
+        device, dtype: of the parameters (torchtitan keeps them in float32).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        use_grouped_mm: bool = True,
+        *,
+        precision: str = "mxfp8",
+        backend: str = "auto",
+        wgrad: str = "mxfp8",
+        save_colwise: bool = True,
+        weight_blocks: str = "1x32",
+        aligned_groups: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MXFP8GroupedExperts: {name} must be a positive int, got {v!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"MXFP8GroupedExperts: precision must be one of {PRECISIONS}, got {precision!r}"
+            )
+        if wgrad not in WGRAD_MODES:
+            raise ValueError(
+                f"MXFP8GroupedExperts: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}"
+            )
+        check_weight_blocks(weight_blocks, "MXFP8GroupedExperts")
+        if precision == "mxfp8":
+            for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
+                if v % L.BLOCK_SIZE:
+                    raise ValueError(
+                        f"MXFP8GroupedExperts: {name} must be a multiple of {L.BLOCK_SIZE} for "
+                        f"precision='mxfp8', got {v}"
+                    )
+        self.num_experts = num_experts
+        self.use_grouped_mm = bool(use_grouped_mm)
+        self.precision = precision
+        self.backend = backend
+        self.wgrad = wgrad
+        self.save_colwise = bool(save_colwise)
+        self.weight_blocks = weight_blocks
+        self.aligned_groups = bool(aligned_groups)
+        factory = {"device": device, "dtype": dtype}
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
+
+    def init_weights(self, init_std: float) -> None:
+        """torchtitan's init: truncated normal, std 0.02 for ``w1``, ``init_std`` for w2/w3."""
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
+
+    def extra_repr(self) -> str:
+        e, h, d = self.w1.shape
+        s = f"dim={d}, hidden_dim={h}, num_experts={e}, precision={self.precision!r}"
+        if self.precision == "mxfp8":
+            s += f", backend={self.backend!r}, wgrad={self.wgrad!r}"
+        return s
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        w_t = w.to(COMPUTE_DTYPE).transpose(-2, -1)  # (E, K, N) view of (E, N, K)
+        if self.precision == "bf16":
+            return torch._grouped_mm(x, w_t, offs=offs)
+        return grouped_mm(x, w_t, offs, backend=self.backend, wgrad=self.wgrad,
+                          save_colwise=self.save_colwise, weight_blocks=self.weight_blocks,
+                          aligned_groups=self.aligned_groups)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x (M, D)`` sorted by expert, ``num_tokens_per_expert (E,)`` -> ``(M, D)``."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        e, _, d = w1.shape
+        if x.dim() != 2 or x.shape[1] != d:
+            raise ValueError(
+                f"MXFP8GroupedExperts: x must be (M, dim={d}), got {tuple(x.shape)}"
+            )
+        if num_tokens_per_expert.dim() != 1 or num_tokens_per_expert.numel() != e:
+            raise ValueError(
+                f"MXFP8GroupedExperts: num_tokens_per_expert must be ({e},), got "
+                f"{tuple(num_tokens_per_expert.shape)}"
+            )
+        ends = torch.cumsum(num_tokens_per_expert, dim=0)
+        # the last group runs to M (torchtitan's zero padding rows, see the module doc)
+        offs = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])]).to(torch.int32)
+        # rows past the counts -> zeros (the last group absorbs them; see the module doc)
+        valid = torch.arange(x.shape[0], device=x.device) < ends[-1]
+        xb = torch.where(valid[:, None], x.to(COMPUTE_DTYPE), 0.0)
+        w13 = torch.cat([w1.to(COMPUTE_DTYPE), w3.to(COMPUTE_DTYPE)], dim=1)  # (E, 2H, D)
+        h = self._mm(xb, w13, offs)  # (M, 2H): gate | up
+        gate, up = rearrange(h, "m (two h) -> two m h", two=2)
+        return self._mm(F.silu(gate) * up, w2, offs).type_as(x)

@@ -1,0 +1,397 @@
+"""Expert parallelism over gloo (CPU): `MXFP8MoE(ep_group=...)` on 2 and 4 spawned processes
+against the single-process layer on the concatenated global batch, same weights.
+
+Every rank builds the same global batch and reference layer from one seed (fresh per run), runs
+its own slice of the batch through the EP layer (its experts' shard loaded from the reference's
+full state dict) and compares its output, its input gradient and its experts' gradients with the
+reference's. Bit-identical where the math is the same; where it is not:
+
+* replicated parameters (router, shared experts): each rank's BF16 gradient covers its own
+  tokens and the ranks' gradients are summed afterwards -- another summation order;
+* an MXFP8 token payload: ``w_gate_up``'s weight gradient reads the columnwise quantization of
+  the dequantized tokens (two roundings); an MXFP8 ``dy`` payload: the same for ``w_down``.
+
+The routing is stressed on every case: the last rank's experts receive no token at all, rank 0
+sends nothing to expert 0 (other ranks do), expert 1 gets about twice the mean load, and the
+ranks hold different token counts (one rank none at world size 4).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_mxfp8 import MXFP8MoE
+from moe_mxfp8 import expert_parallel as EP
+
+BF16 = torch.bfloat16
+DIM, HIDDEN, EXPERTS, TOP_K = 128, 128, 8, 2  # 128: a whole 1x128 block
+REPLICATED_MIN_DB = 40.0  # BF16 gradients summed per rank, then over ranks
+# An expert weight gradient whose columnwise operand was quantized from MXFP8-dispatched values:
+# E4M3 rounding is idempotent outside the subnormal range, so only tiny elements round twice.
+# Measured 94-120 dB on 4096 tokens (Gaussian, Student-t(3), outlier channels; CPU 2026-11-23).
+PAYLOAD_GRAD_MIN_DB = 60.0
+GROUPED_EXPERTS_MIN_DB = 21.0  # MXFP8 SwiGLU experts vs BF16, 560 tokens: measured 23.1-23.6
+# (precision, ep_payload, ep_grad_payload, extra options)
+CASES = [
+    ("mxfp8", "bf16", "bf16", {"num_shared_experts": 1}),
+    ("mxfp8", "mxfp8", "bf16", {"score_func": "sigmoid", "renormalize": False}),
+    ("mxfp8", "bf16", "mxfp8", {}),
+    ("bf16", "bf16", "bf16", {"num_shared_experts": 1}),
+    ("mxfp8", "bf16", "bf16", {"scale_blocks": "1x128"}),  # groups padded to 128 rows
+]
+TOKENS = {1: [112], 2: [72, 40], 4: [40, 0, 24, 56]}  # tokens per rank
+CASES_RUN = {1: CASES, 2: CASES, 4: CASES[:2]}  # world size 4: two cases (CI time)
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
+
+
+# gloo: CPU and the reference backend (CI); nccl: one GPU per rank and the GPU kernels
+DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+LAYER_BACKEND = {"cpu": "reference", "cuda": "auto"}
+
+
+def _build(seed: int, ws: int, precision: str, opts: dict, device: str = "cpu"):
+    """The reference layer and the global batch, identical on every rank."""
+    torch.manual_seed(seed)
+    ref = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, precision=precision,
+                   backend=LAYER_BACKEND[device], device=device, **opts)
+    tokens = TOKENS[ws]
+    x = torch.randn(sum(tokens), DIM)
+    e_local = EXPERTS // ws
+    with torch.no_grad():
+        # The last rank's experts get no token: feature 0 is +3 on every token, -20 in their rows.
+        x[:, 0] = 3.0
+        if ws > 1:
+            ref.router.weight[EXPERTS - e_local:, 0] = -20.0
+        ref.router.weight[1, 0] = 0.5  # expert 1: about twice the mean load
+        # Rank 0 sends nothing to expert 0 (feature 1 is +3 on its tokens only).
+        x[: tokens[0], 1] = 3.0
+        ref.router.weight[0, 1] = -20.0
+    dy = torch.randn(sum(tokens), DIM)
+    return ref, x.to(device, BF16), dy.to(device, BF16), tokens
+
+
+def _fwd_bwd(layer, x, dy):
+    layer.zero_grad(set_to_none=True)
+    xa = x.clone().requires_grad_()
+    y = layer(xa)
+    (y.float() * dy.float()).sum().backward()
+    return y.detach(), xa.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _check_case(rank: int, ws: int, seed: int, case, device: str = "cpu") -> None:
+    precision, payload, grad_payload, opts = case
+    ref, x, dy, tokens = _build(seed, ws, precision, opts, device)
+    y_ref, dx_ref, g_ref = _fwd_bwd(ref, x, dy)
+
+    group = dist.group.WORLD
+    ep = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, precision=precision,
+                  backend=LAYER_BACKEND[device], device=device, ep_group=group,
+                  ep_payload=payload, ep_grad_payload=grad_payload, **opts)
+    e_local = EXPERTS // ws
+    assert ep.num_local_experts == e_local and ep.w_gate_up.shape[0] == e_local
+    ep.load_state_dict(ref.state_dict())  # full checkpoint -> this rank's shard (load hook)
+    lo = sum(tokens[:rank])
+    sl = slice(lo, lo + tokens[rank])
+    y, dx, g = _fwd_bwd(ep, x[sl], dy[sl])
+    EP.all_reduce_replicated_grads(ep)
+
+    label = f"{device} ws={ws} rank={rank} {case}"
+    # Routing facts the case is built on (global counts of the reference).
+    counts = ref.tokens_per_expert
+    idle = EXPERTS - e_local if ws > 1 else EXPERTS  # the last rank's experts
+    assert counts[idle:].sum() == 0 and counts[1] > 1.5 * counts[:idle].float().mean(), counts
+    if rank == 0 and tokens[0]:
+        assert ep.tokens_per_expert[0] == 0
+    if ws > 1 and rank == ws - 1:  # received nothing: its experts' gradients are exact zeros
+        assert torch.count_nonzero(g["w_gate_up"]) == 0 and torch.count_nonzero(g["w_down"]) == 0
+    # aux_loss is the rank's own: the single-process layer's on the rank's tokens.
+    with torch.no_grad():
+        ref(x[sl])
+    assert torch.equal(ep.aux_loss, ref.aux_loss), label
+
+    assert y.shape == x[sl].shape and y.dtype == BF16
+    assert torch.equal(y, y_ref[sl]), label  # every configuration: the same forward math
+    assert torch.equal(dx, dx_ref[sl]), label
+    experts = slice(rank * e_local, (rank + 1) * e_local)
+    lossy = {"w_gate_up": payload == "mxfp8", "w_down": grad_payload == "mxfp8"}
+    dbs = {}
+    for name in EP.EXPERT_PARAMS:
+        want = g_ref[name][experts]
+        if lossy[name] and torch.count_nonzero(want):
+            dbs[name] = sqnr_db(want, g[name])
+            assert dbs[name] >= PAYLOAD_GRAD_MIN_DB, (name, dbs, label)
+        else:
+            assert torch.equal(g[name], want), (name, label)
+    for name, _ in EP.replicated_parameters(ep):
+        dbs[name] = sqnr_db(g_ref[name], g[name])
+        assert dbs[name] >= REPLICATED_MIN_DB, (name, dbs, label)
+    print(label, "SQNR dB:", {k: round(v, 1) for k, v in dbs.items()})
+
+
+def _check_state_dicts(rank: int, ws: int, seed: int, device: str = "cpu") -> None:
+    """Sharded save -> full checkpoint -> one process, and back."""
+    ref, *_ = _build(seed, ws, "mxfp8", {"num_shared_experts": 1}, device)
+    full = ref.state_dict()
+    ep = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, backend=LAYER_BACKEND[device], device=device,
+                  num_shared_experts=1, ep_group=dist.group.WORLD)
+    ep.load_state_dict(full)
+    shard = ep.state_dict()
+    want = EP.shard_expert_state_dict(full, rank, ws)
+    assert shard.keys() == full.keys()
+    assert all(torch.equal(shard[k], want[k]) for k in full)
+    ep.load_state_dict(want)  # a shard of the right size loads as is
+    gathered = EP.full_state_dict(ep)  # collective
+    assert all(torch.equal(gathered[k], full[k]) for k in full)
+    shards = [None] * ws
+    dist.all_gather_object(shards, {k: v.clone() for k, v in shard.items()})
+    merged = EP.merge_expert_shards(shards)
+    single = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, backend=LAYER_BACKEND[device], device=device,
+                      num_shared_experts=1)
+    single.load_state_dict(merged)
+    assert all(torch.equal(single.state_dict()[k], full[k]) for k in full)
+    twin = copy.deepcopy(ep)  # an EMA / eval copy shares the process group
+    assert twin.ep_group is ep.ep_group and twin.w_gate_up is not ep.w_gate_up
+    x = torch.randn(5, DIM).to(device, BF16)
+    assert torch.equal(twin(x), ep(x))
+
+
+def _run_all(rank: int, ws: int, seed: int, device: str) -> None:
+    for case in CASES if device == "cuda" else CASES_RUN[ws]:
+        _check_case(rank, ws, seed, case, device)
+    _check_state_dicts(rank, ws, seed, device)
+    if ws > 1:
+        with pytest.raises(ValueError, match="multiple of the expert-parallel group size"):
+            MXFP8MoE(DIM, HIDDEN, ws + 1, 1, ep_group=dist.group.WORLD)
+
+
+def _init(rank: int, ws: int, port: int, pg_backend: str) -> None:
+    extra = {}
+    if pg_backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ws, timeout=timedelta(seconds=120), **extra)
+
+
+def _worker(rank: int, ws: int, port: int, seed: int, pg_backend: str = "gloo") -> None:
+    torch.set_num_threads(1)
+    _init(rank, ws, port, pg_backend)
+    try:
+        _run_all(rank, ws, seed, DEVICE[pg_backend])
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_expert_parallel_matches_single_process(gen, ws):
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    print("seed", seed)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(ws, _free_port(), seed), nprocs=ws, join=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The torchtitan-shaped experts module and the swap example (single process)
+# ---------------------------------------------------------------------------------------------
+
+
+class _TitanGroupedExperts(torch.nn.Module):
+    """torchtitan's GroupedExperts as its ``_run_experts_grouped_mm`` computes (BF16, separate
+    w1/w3 GEMMs), written out here: torchtitan is not a dependency."""
+
+    def __init__(self, dim, hidden_dim, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = torch.nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * dim**-0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(num_experts, dim, hidden_dim) * hidden_dim**-0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(num_experts, hidden_dim, dim) * dim**-0.5)
+
+    def forward(self, x, num_tokens_per_expert):
+        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        xb = x.bfloat16()
+        h = torch.nn.functional.silu(
+            torch._grouped_mm(xb, self.w1.bfloat16().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(xb, self.w3.bfloat16().transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+
+class _TitanMoE(torch.nn.Module):
+    def __init__(self, dim, hidden_dim, num_experts):
+        super().__init__()
+        self.experts = _TitanGroupedExperts(dim, hidden_dim, num_experts)
+
+
+def test_grouped_experts_is_mxfp8moe_expert_path(gen):
+    """MXFP8MoE's layer rebuilt torchtitan-style (route, permute into the padded layout, call
+    the experts module with the padded counts, un-permute, weigh) with `MXFP8GroupedExperts`
+    holding the same weights as w1/w3/w2: output and every gradient bit-identical."""
+    from moe_mxfp8.experts import MXFP8GroupedExperts
+
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    d, h, e, k, t = 64, 96, 6, 2, 53
+    mx = MXFP8MoE(d, h, e, k, backend="reference")
+    with torch.no_grad():
+        mx.router.weight[e - 1] -= 5 * mx.router.weight[e - 1].abs()  # a rarely used expert
+    x = torch.randn(t, d, generator=gen).to(BF16)
+    dy = torch.randn(t, d, generator=gen).to(BF16)
+    y_ref, dx_ref, g_ref = _fwd_bwd(mx, x, dy)
+
+    ex = MXFP8GroupedExperts(d, h, e, backend="reference", aligned_groups=True, dtype=BF16)
+    with torch.no_grad():
+        ex.w1.copy_(mx.w_gate_up[:, :h])
+        ex.w3.copy_(mx.w_gate_up[:, h:])
+        ex.w2.copy_(mx.w_down)
+    xa = x.clone().requires_grad_()
+    weights, ids, counts, _ = mx._route(xa)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    rows, offs = mx._aligned_rows(counts, t * k)
+    x_sorted = xa.new_zeros(int(offs[-1]), d)
+    x_sorted[rows] = xa[order // k]
+    padded = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    padded[-1] -= int(offs[-1]) - int(((counts + 15) // 16 * 16).sum())  # slack stays past the end
+    y_sorted = ex(x_sorted, padded)[rows]
+    pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).reshape(t, k, d)
+    y = (pairs * weights.to(BF16).unsqueeze(-1)).sum(dim=1)
+    (y.float() * dy.float()).sum().backward()
+    assert torch.equal(y, y_ref) and torch.equal(xa.grad, dx_ref)
+    assert torch.equal(torch.cat([ex.w1.grad, ex.w3.grad], dim=1), g_ref["w_gate_up"])
+    assert torch.equal(ex.w2.grad, g_ref["w_down"])
+
+
+def test_grouped_experts_vs_torchtitan_formula_and_swap(gen):
+    """The swap keeps torchtitan's Parameter objects and names; ``precision="bf16"`` equals
+    torchtitan's BF16 experts, ``"mxfp8"`` is within the layer's SQNR floors; zero padding rows
+    past the counts give zero rows; the state-dict converter loads into MXFP8MoE strictly."""
+    from train_example.torchtitan_swap import mxfp8moe_state_dict, swap_grouped_experts
+
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    d, h, e = 64, 64, 4
+    counts = torch.tensor([300, 0, 170, 90])
+    x = torch.randn(int(counts.sum()) + 8, d, generator=gen)
+    x[-8:] = float("nan")  # padding rows past the counts: whatever they hold reaches nothing
+    dy = torch.randn_like(x)
+    outs = {}
+    for precision in ("torchtitan", "bf16", "mxfp8"):
+        model = _TitanMoE(d, h, e)
+        torch.manual_seed(0)
+        model.experts.w1.data.normal_(std=d**-0.5)
+        model.experts.w2.data.normal_(std=h**-0.5)
+        model.experts.w3.data.normal_(std=d**-0.5)
+        before = dict(model.named_parameters())
+        if precision != "torchtitan":
+            assert swap_grouped_experts(model, precision=precision, backend="reference") == 1
+            assert type(model.experts).__name__ == "MXFP8GroupedExperts"
+            assert dict(model.named_parameters()) == before  # the same Parameter objects
+            assert swap_grouped_experts(model) == 0
+        xa = x.clone().requires_grad_()
+        y = model.experts(xa, counts)
+        (y * dy).sum().backward()
+        outs[precision] = (y.detach(), xa.grad, [p.grad for p in model.parameters()])
+    for out in (outs["mxfp8"], outs["bf16"]):
+        assert torch.equal(out[0][-8:], torch.zeros(8, d))  # zero outputs there
+        assert torch.equal(out[1][-8:], torch.zeros(8, d))  # and zero input gradients
+        assert all(torch.isfinite(g).all() for g in out[2])  # NaN padding touched no weight
+    tt, bf, mxo = outs["torchtitan"], outs["bf16"], outs["mxfp8"]
+    n = int(counts.sum())
+    torch.testing.assert_close(bf[0][:n], tt[0][:n], rtol=1e-2, atol=1e-3)
+    assert sqnr_db(tt[1][:n], bf[1][:n]) >= 40.0  # torchtitan sums two BF16 dgrads (w1, w3)
+    assert all(sqnr_db(b, a) >= 40.0 for a, b in zip(bf[2], tt[2], strict=True))
+    dbs = [sqnr_db(tt[0][:n], mxo[0][:n]), sqnr_db(tt[1][:n], mxo[1][:n])]
+    dbs += [sqnr_db(b, a) for a, b in zip(mxo[2], tt[2], strict=True)]
+    print("MXFP8GroupedExperts vs torchtitan BF16 SQNR dB (out, dx, w1, w2, w3):", dbs)
+    assert min(dbs) >= GROUPED_EXPERTS_MIN_DB, dbs
+
+    titan_sd = {f"moe.{k}": v for k, v in _TitanMoE(d, h, e).state_dict().items()}
+    titan_sd["moe.router.gate.weight"] = torch.randn(e, d)
+    titan_sd["moe.expert_bias"] = torch.zeros(e)
+    for s in ("w1", "w3"):
+        titan_sd[f"moe.shared_experts.{s}.weight"] = torch.randn(h, d)
+    titan_sd["moe.shared_experts.w2.weight"] = torch.randn(d, h)
+    layer = MXFP8MoE(d, h, e, 2, num_shared_experts=1, dtype=torch.float32)
+    layer.load_state_dict(mxfp8moe_state_dict(titan_sd, prefix="moe."), strict=True)
+    assert torch.equal(layer.w_gate_up[:, h:], titan_sd["moe.experts.w3"])
+    titan_sd["moe.expert_bias"][0] = 1.0
+    with pytest.raises(ValueError, match="expert_bias"):
+        mxfp8moe_state_dict(titan_sd, prefix="moe.")
+
+
+def test_ep_options_are_checked():
+    with pytest.raises(ValueError, match="ep_payload must be one of"):
+        MXFP8MoE(64, 64, 4, 2, ep_payload="fp8")
+    with pytest.raises(ValueError, match="ep_grad_payload must be one of"):
+        MXFP8MoE(64, 64, 4, 2, ep_grad_payload=None)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="initialized torch.distributed"):
+            MXFP8MoE(64, 64, 4, 2, ep_group=object())
+    layer = MXFP8MoE(64, 64, 4, 2, precision="bf16")
+    assert (layer.ep_group, layer.ep_size, layer.num_local_experts) == (None, 1, 4)
+    assert layer.ep_payload == "bf16" and MXFP8MoE(64, 64, 4, 2).ep_payload == "mxfp8"
+
+
+def _count_syncs(fn) -> int:
+    """Host syncs of ``fn()`` on CUDA (torch's sync debug mode, one warning per sync)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    msgs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    print(f"{len(msgs)} host sync(s):", msgs)
+    return len(msgs)
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_world_size_1(gen):
+    """NCCL, one rank holding every expert, the GPU kernels: the gloo test's cases (EP path vs
+    the plain layer, same assertions), the checkpoint round trip, and the host syncs of one
+    forward+backward: one, the split sizes the all-to-all takes on the host."""
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    _init(0, 1, _free_port(), "nccl")
+    try:
+        seed = int(torch.randint(2**31, (1,), generator=gen))
+        print("seed", seed)
+        _run_all(0, 1, seed, "cuda")
+        ep = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, device="cuda", ep_group=dist.group.WORLD)
+        x = torch.randn(256, DIM, device="cuda").to(BF16).requires_grad_()
+        dy = torch.randn(256, DIM, device="cuda").to(BF16)
+        ep(x).backward(dy)  # warm-up (kernel compiles, caches)
+        assert _count_syncs(lambda: ep(x).backward(dy)) == 1
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws", [2, 4])
+def test_gpu_nccl_expert_parallel(gen, ws):
+    """The gloo test's cases over NCCL, one GPU per rank, GPU kernels (needs ws GPUs)."""
+    if torch.cuda.device_count() < ws or not dist.is_nccl_available():
+        pytest.skip(f"needs {ws} GPUs and NCCL")
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    print("seed", seed)
+    mp.spawn(_worker, args=(ws, _free_port(), seed, "nccl"), nprocs=ws, join=True)
