@@ -1,4 +1,4 @@
-"""Scale-factor layouts of the MXFP8 contract (``shared/docs/mxfp8-contract.md``).
+"""Scale-factor layouts of the MXFP8 contract (``docs/numerics.md``).
 
 A scale matrix ``scales[r, c]`` has one E8M0 byte per row ``r`` of the quantized matrix and per
 block ``c`` of 32 elements along the reduced axis. Two layouts:

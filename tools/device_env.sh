@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Source this at the start of every device-machine command:  source tools/device_env.sh
 # Brings CuTeDSL (nvidia-cutlass-dsl 4.8.1, cu13 libs) to the device machine in ONE call: carry
-# ".devsite" (made here by `bash tools/make_devsite.sh`, ~63 MiB: xz of the unpacked wheels, with
+# ".devsite" (made here by `bash tools/make_devsite.sh`, ~62 MiB: xz of the unpacked wheels, with
 # the aarch64/QNX stubs, a static archive and the profiler-injection library left out).
 # A warm machine keeps /tmp/site between calls, so the unpack (~20 s) happens once per machine.
 if [ ! -f /tmp/site/cutlass_ok ]; then

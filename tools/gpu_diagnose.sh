@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: host-sync checks, save_colwise time/memory, and an MXFP8 training run on the
 # reference backend (to tell kernel bugs from MXFP8 numerics in the GPU parity gap).
-#   run  carry=[".devsite", ".pyt"]  command: bash tools/gpu_diagnose.sh
+#   run  carry=[".devsite"]  command: bash tools/gpu_diagnose.sh
 set -uo pipefail
 source tools/device_env.sh
 python -c "import pytest" 2>/dev/null || {
