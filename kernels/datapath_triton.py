@@ -158,6 +158,45 @@ def _block(tbl_ptr, RB: tl.constexpr):
     return rows, rows < re, prow0 + rows, tiles, lblk, nblk, re > rs
 
 
+@triton.jit
+def _row_tile(tbl_ptr, src_ptr, F, RB: tl.constexpr, CB: tl.constexpr):
+    """`_block`, then this program's CB of the ``F`` features (``cols``, ``cmask``), the source
+    pair of every row (``src``, -1 on pad rows) and which rows hold one (``ok``)."""
+    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
+    return rows, rmask, prow, tiles, lblk, nblk, live, cols, cols < F, src, rmask & (src >= 0)
+
+
+@triton.jit
+def _write_tile(v, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, off, n, ld,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP,
+                QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
+                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    """The fp32 tile ``v`` of a row-block kernel, features ``cols`` of ``n``, stored at column
+    ``cols + off`` of output rows ``ld`` wide: BF16, rowwise and/or columnwise MXFP8."""
+    if BF16:
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * ld + (cols + off)[None, :],
+                 v.to(tl.bfloat16), mask=rmask[:, None] & cmask[None, :])
+    if QROW:
+        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
+        _quant_rows(v, rows, rmask, prow, cols + off, cmask, blk + off // QBLK, blk < n // QBLK,
+                    qr_ptr, sr_ptr, ld, ld // QBLK, INTERP, RB, CB)
+    if QCOL:
+        _quant_cols(v, rows, rmask, cols + off, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk,
+                    nblk, live, INTERP)
+
+
+@triton.jit
+def _token_tile(T, D, TB: tl.constexpr, CB: tl.constexpr):
+    """The per-token kernels' tile: TB tokens (``t``, ``tmask``) x CB features (``cols``) and
+    its (TB, CB) mask."""
+    t = tl.program_id(0) * TB + tl.arange(0, TB)
+    tmask = t < T
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    return t, tmask, cols, tmask[:, None] & (cols < D)[None, :]
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch: x (T, D) -> expert-sorted padded rows, quantized (rowwise + columnwise) and/or BF16
 # ---------------------------------------------------------------------------------------------
@@ -168,34 +207,20 @@ def _dispatch_kernel(x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, ou
                      D, M, TOPK, RP,
                      QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                      INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
-    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
-    cols = tl.program_id(1) * CB + tl.arange(0, CB)
-    cmask = cols < D
-    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
-    valid = rmask & (src >= 0)
+    rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, src, valid = _row_tile(
+        tbl_ptr, src_ptr, D, RB, CB)
     tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
     x = tl.load(x_ptr + tok[:, None] * D + cols[None, :], mask=valid[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)
-    if BF16:
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x.to(tl.bfloat16),
-                 mask=rmask[:, None] & cmask[None, :])
-    if QROW:
-        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
-        _quant_rows(x, rows, rmask, prow, cols, cmask, blk, blk < D // QBLK, qr_ptr, sr_ptr, D,
-                    D // QBLK, INTERP, RB, CB)
-    if QCOL:
-        _quant_cols(x, rows, rmask, cols, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk, nblk,
-                    live, INTERP)
+    _write_tile(x, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, 0, D, D,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
 
 
 @triton.jit
 def _gather_sum_kernel(src_ptr, rows_ptr, out_ptr, T, D, TOPK: tl.constexpr,
                        INTERP: tl.constexpr, TB: tl.constexpr, CB: tl.constexpr):
     """out[t] = sum_{j < k} src[rows[t, j]] in fp32, j in order (dispatch backward)."""
-    t = tl.program_id(0) * TB + tl.arange(0, TB)
-    tmask = t < T
-    cols = tl.program_id(1) * CB + tl.arange(0, CB)
-    mask = tmask[:, None] & (cols < D)[None, :]
+    t, tmask, cols, mask = _token_tile(T, D, TB, CB)
     acc = tl.zeros((TB, CB), dtype=tl.float32)
     for j in tl.static_range(TOPK):
         r = tl.load(rows_ptr + t.to(tl.int64) * TOPK + j, mask=tmask, other=0).to(tl.int64)
@@ -219,31 +244,28 @@ def _exp(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP: tl.constexpr):
+    """The fp32 gate and up tiles of the rows ``ok`` (zero elsewhere), ``valid`` their mask,
+    and PyTorch's BF16 ``F.silu(gate)`` (silu in fp32 rounded to BF16)."""
+    valid = ok[:, None] & cmask[None, :]
+    base = h_ptr + rows.to(tl.int64)[:, None] * (2 * H) + cols[None, :]
+    g = tl.load(base, mask=valid, other=0.0).to(tl.float32)
+    u = tl.load(base + H, mask=valid, other=0.0).to(tl.float32)
+    return valid, g, u, _rbf(g / (1.0 + _exp(-g, INTERP)), INTERP)
+
+
+@triton.jit
 def _swiglu_fwd_kernel(h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
                        H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                        INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
-    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
-    cols = tl.program_id(1) * CB + tl.arange(0, CB)
-    cmask = cols < H
-    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
-    valid = (rmask & (src >= 0))[:, None] & cmask[None, :]
-    base = h_ptr + rows.to(tl.int64)[:, None] * (2 * H) + cols[None, :]
-    g = tl.load(base, mask=valid, other=0.0).to(tl.float32)
-    u = tl.load(base + H, mask=valid, other=0.0).to(tl.float32)
+    rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, _, ok = _row_tile(
+        tbl_ptr, src_ptr, H, RB, CB)
+    _, g, u, s = _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP)
     # PyTorch's BF16 `F.silu(gate) * up`: silu in fp32 rounded to BF16, product rounded to BF16.
-    s = _rbf(g / (1.0 + _exp(-g, INTERP)), INTERP)
     a = _rbf(s * u, INTERP)
-    if BF16:
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], a.to(tl.bfloat16),
-                 mask=rmask[:, None] & cmask[None, :])
-    if QROW:
-        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
-        _quant_rows(a, rows, rmask, prow, cols, cmask, blk, blk < H // QBLK, qr_ptr, sr_ptr, H,
-                    H // QBLK, INTERP, RB, CB)
-    if QCOL:
-        _quant_cols(a, rows, rmask, cols, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk, nblk,
-                    live, INTERP)
+    _write_tile(a, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, 0, H, H,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
 
 
 @triton.jit
@@ -251,43 +273,22 @@ def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, 
                        H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                        INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
-    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
-    cols = tl.program_id(1) * CB + tl.arange(0, CB)
-    cmask = cols < H
-    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
-    valid = (rmask & (src >= 0))[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
-    base = h_ptr + rows64[:, None] * (2 * H) + cols[None, :]
-    g = tl.load(base, mask=valid, other=0.0).to(tl.float32)
-    u = tl.load(base + H, mask=valid, other=0.0).to(tl.float32)
-    da = tl.load(da_ptr + rows64[:, None] * H + cols[None, :], mask=valid, other=0.0).to(
-        tl.float32)
+    rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, _, ok = _row_tile(
+        tbl_ptr, src_ptr, H, RB, CB)
+    valid, g, u, s = _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP)
+    da = tl.load(da_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=valid,
+                 other=0.0).to(tl.float32)
     # Autograd of the BF16 `F.silu(gate) * up`: mul backward in BF16, then PyTorch's CUDA
     # silu_backward formula dy * sig * (1 + x * (1 - sig)) in fp32.
-    s = _rbf(g / (1.0 + _exp(-g, INTERP)), INTERP)
     dup = _rbf(da * s, INTERP)
     ds = _rbf(da * u, INTERP)
     sig = 1.0 / (1.0 + _exp(-g, INTERP))
     dg = _rbf(ds * sig * (1.0 + g * (1.0 - sig)), INTERP)
-    if BF16:
-        o = out_ptr + rows64[:, None] * (2 * H) + cols[None, :]
-        m2 = rmask[:, None] & cmask[None, :]
-        tl.store(o, dg.to(tl.bfloat16), mask=m2)
-        tl.store(o + H, dup.to(tl.bfloat16), mask=m2)
-    if QROW:
-        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
-        bmask = blk < H // QBLK
-        nb = 2 * H // QBLK
-        _quant_rows(dg, rows, rmask, prow, cols, cmask, blk, bmask, qr_ptr, sr_ptr, 2 * H, nb,
-                    INTERP, RB, CB)
-        _quant_rows(dup, rows, rmask, prow, cols + H, cmask, blk + H // QBLK, bmask, qr_ptr,
-                    sr_ptr, 2 * H, nb, INTERP, RB, CB)
-    if QCOL:
-        sbase = tiles * RP * 4
-        _quant_cols(dg, rows, rmask, cols, cmask, qc_ptr, sc_ptr, M, sbase, lblk, nblk, live,
-                    INTERP)
-        _quant_cols(dup, rows, rmask, cols + H, cmask, qc_ptr, sc_ptr, M, sbase, lblk, nblk,
-                    live, INTERP)
+    # [dgate | dup] rows 2H wide: each half written like the forward's output.
+    _write_tile(dg, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, 0, H, 2 * H,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
+    _write_tile(dup, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, H, H, 2 * H,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,10 +299,7 @@ def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, 
 @triton.jit
 def _combine_fwd_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, T, D, TOPK: tl.constexpr,
                         INTERP: tl.constexpr, TB: tl.constexpr, CB: tl.constexpr):
-    t = tl.program_id(0) * TB + tl.arange(0, TB)
-    tmask = t < T
-    cols = tl.program_id(1) * CB + tl.arange(0, CB)
-    mask = tmask[:, None] & (cols < D)[None, :]
+    t, tmask, cols, mask = _token_tile(T, D, TB, CB)
     t64 = t.to(tl.int64)
     acc = tl.zeros((TB, CB), dtype=tl.float32)
     for j in tl.static_range(TOPK):
@@ -323,30 +321,18 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr
     """Sorted-row gradient dy[r] = bf16(dout[t] * bf16(w[t, j])) for the pair (t, j) of row r
     (zero for pad rows), quantized and/or BF16, and the partial routing-weight gradients
     part[col tile, r] = sum over the tile's features of bf16(dout[t] * y[r]) (fp32)."""
-    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
-    cols = tl.program_id(1) * CB + tl.arange(0, CB)
-    cmask = cols < D
-    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
-    valid = rmask & (src >= 0)
+    rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, src, valid = _row_tile(
+        tbl_ptr, src_ptr, D, RB, CB)
     m2 = valid[:, None] & cmask[None, :]
     tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
     w = tl.load(w_ptr + tl.where(valid, src, 0), mask=valid, other=0.0)
     w = _rbf(w, INTERP)
     g = tl.load(dout_ptr + tok[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     dy = _rbf(g * w[:, None], INTERP)
-    rows64 = rows.to(tl.int64)
-    if BF16:
-        tl.store(out_ptr + rows64[:, None] * D + cols[None, :], dy.to(tl.bfloat16),
-                 mask=rmask[:, None] & cmask[None, :])
-    if QROW:
-        blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
-        _quant_rows(dy, rows, rmask, prow, cols, cmask, blk, blk < D // QBLK, qr_ptr, sr_ptr, D,
-                    D // QBLK, INTERP, RB, CB)
-    if QCOL:
-        _quant_cols(dy, rows, rmask, cols, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk, nblk,
-                    live, INTERP)
+    _write_tile(dy, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, 0, D, D,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
     if DW:
-        yv = tl.load(y_ptr + rows64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(
+        yv = tl.load(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=m2, other=0.0).to(
             tl.float32)
         part = tl.sum(_rbf(g * yv, INTERP), axis=1)
         tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M + rows, part, mask=rmask)

@@ -444,6 +444,16 @@ def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, pre
         m, d, dtype=torch.int16)
 
 
+def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, offs: Tensor,
+                 qcol: bool, backend: str) -> Tensor:
+    """A weight gradient ``dy^T @ saved`` per group: from the columnwise MXFP8 copies (``dyc``
+    and the saved FP8 operand, ``qcol``) or the BF16 ones (``dyb`` and the saved int16 bits)."""
+    if qcol:
+        col = MXFP8Tensor(saved.view(FP8), saved_scale, "packed", offs, "k")
+        return grouped_mm_k(dyc, col, offs, out_dtype=BF16, backend=backend, groups_aligned=True)
+    return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)
+
+
 @torch.library.custom_op("moe_mxfp8::routed_experts_bwd", mutates_args=())
 def _routed_experts_bwd(
     dout: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
@@ -474,23 +484,13 @@ def _routed_experts_bwd(
                           out_dtype=BF16, backend=backend)
         del dyr
         if need_dw:
-            if qcol:
-                acol = MXFP8Tensor(sa.view(FP8), sa_scale, "packed", offs, "k")
-                dwdn = grouped_mm_k(dyc, acol, offs, out_dtype=BF16, backend=backend,
-                                    groups_aligned=True)
-            else:
-                dwdn = torch._grouped_mm(dyb.t(), sa.view(BF16), offs=offs)
+            dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, backend)
         del dyc, dyb
         dhr, dhc, dhb = swiglu_backward(da, h, src, offs, qrow=need_dx, qcol=qcol,
                                         keep_bf16=keep, backend=backend)
         del da
         if need_dw:
-            if qcol:
-                xcol = MXFP8Tensor(sx.view(FP8), sx_scale, "packed", offs, "k")
-                dwgu = grouped_mm_k(dhc, xcol, offs, out_dtype=BF16, backend=backend,
-                                    groups_aligned=True)
-            else:
-                dwgu = torch._grouped_mm(dhb.t(), sx.view(BF16), offs=offs)
+            dwgu = _weight_grad(dhc, dhb, sx, sx_scale, offs, qcol, backend)
         del dhc, dhb
         if need_dx:
             dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", weight_blocks, backend), offs,

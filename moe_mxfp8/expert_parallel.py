@@ -293,7 +293,6 @@ def ep_forward(layer, x: Tensor) -> Tensor:
     layer._check_input(x)
     k = layer.top_k
     x_flat = rearrange(x, "... d -> (...) d")  # (T, D)
-    t = x_flat.shape[0]
 
     weights, expert_ids, counts, aux = layer._route(x_flat)
     layer.aux_loss = aux
@@ -307,12 +306,7 @@ def ep_forward(layer, x: Tensor) -> Tensor:
     y_local = _Combine.apply(y_recv, plan, layer.ep_grad_payload, layer.backend)  # (T*k, D)
 
     # From here on the single-GPU layer's combine: bf16(y * bf16(w)) summed over k in fp32.
-    y_pairs = torch.empty_like(y_local).index_copy_(0, order, y_local)
-    y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
-    out = (y_pairs * rearrange(weights.to(COMPUTE_DTYPE), "t k -> t k 1")).sum(dim=1)
-    if layer.num_shared_experts:
-        out = out + layer._shared_experts(x_flat.to(COMPUTE_DTYPE))
-    return out.to(x.dtype).reshape(x.shape)
+    return layer._combine(y_local, order, weights, x_flat, x)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,8 +32,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from . import layout as L
-from .ops import WGRAD_MODES, check_weight_blocks, grouped_mm
+from .ops import WGRAD_MODES, check_layer_dims, check_mxfp8_dims, check_weight_blocks, grouped_mm
 
 PRECISIONS = ("mxfp8", "bf16")
 COMPUTE_DTYPE = torch.bfloat16
@@ -76,9 +75,7 @@ class MXFP8GroupedExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MXFP8GroupedExperts: {name} must be a positive int, got {v!r}")
+        check_layer_dims(dim, hidden_dim, num_experts, "MXFP8GroupedExperts")
         if precision not in PRECISIONS:
             raise ValueError(
                 f"MXFP8GroupedExperts: precision must be one of {PRECISIONS}, got {precision!r}"
@@ -88,13 +85,7 @@ class MXFP8GroupedExperts(nn.Module):
                 f"MXFP8GroupedExperts: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}"
             )
         check_weight_blocks(weight_blocks, "MXFP8GroupedExperts")
-        if precision == "mxfp8":
-            for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
-                if v % L.BLOCK_SIZE:
-                    raise ValueError(
-                        f"MXFP8GroupedExperts: {name} must be a multiple of {L.BLOCK_SIZE} for "
-                        f"precision='mxfp8', got {v}"
-                    )
+        check_mxfp8_dims(precision, dim, hidden_dim, "MXFP8GroupedExperts")
         self.num_experts = num_experts
         self.use_grouped_mm = bool(use_grouped_mm)
         self.precision = precision

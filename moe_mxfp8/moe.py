@@ -41,9 +41,16 @@ from torch import nn
 
 from . import datapath as DP
 from . import expert_parallel as EP
-from . import layout as L
 from .backend import check_backend_name
-from .ops import WGRAD_MODES, WGRAD_ROW_ALIGN, check_weight_blocks, grouped_mm, resolve_scale_blocks
+from .ops import (
+    WGRAD_MODES,
+    WGRAD_ROW_ALIGN,
+    check_layer_dims,
+    check_mxfp8_dims,
+    check_weight_blocks,
+    grouped_mm,
+    resolve_scale_blocks,
+)
 
 PRECISIONS = ("mxfp8", "bf16")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -163,9 +170,7 @@ class MXFP8MoE(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
-        for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MXFP8MoE: {name} must be a positive int, got {v!r}")
+        check_layer_dims(dim, hidden_dim, num_experts, "MXFP8MoE")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"MXFP8MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
@@ -203,13 +208,8 @@ class MXFP8MoE(nn.Module):
             )
         if dtype not in PARAM_DTYPES:
             raise TypeError(f"MXFP8MoE: dtype must be one of {PARAM_DTYPES}, got {dtype}")
-        if precision == "mxfp8":
-            for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
-                if v % L.BLOCK_SIZE:
-                    raise ValueError(
-                        f"MXFP8MoE: {name} must be a multiple of {L.BLOCK_SIZE} for "
-                        f"precision='mxfp8' (MXFP8 blocks of 32 along every reduced dim), got {v}"
-                    )
+        check_mxfp8_dims(precision, dim, hidden_dim, "MXFP8MoE",
+                         " (MXFP8 blocks of 32 along every reduced dim)")
         self.dim = dim
         self.hidden_dim = hidden_dim
         self.num_experts = num_experts
@@ -445,9 +445,7 @@ class MXFP8MoE(nn.Module):
                 precision=self.precision, backend=self.backend, wgrad=self.wgrad,
                 weight_blocks=self.weight_blocks,
             )
-            if self.num_shared_experts:
-                out = out + self._shared_experts(x_flat.to(COMPUTE_DTYPE))  # (T, D) bf16
-            return out.to(x.dtype).reshape(x.shape)
+            return self._finish(out, x_flat, x)
 
         # Sort the T*k (token, slot) pairs by expert; stable, so tokens keep their order.
         order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
@@ -468,6 +466,13 @@ class MXFP8MoE(nn.Module):
         if rows is not None:
             y_sorted = y_sorted[rows]  # drop the padding rows
 
+        return self._combine(y_sorted, order, weights, x_flat, x)
+
+    def _combine(self, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                 x_flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The combine of ``forward`` (and of ``ep_forward``): ``y_sorted (T*k, D)`` in expert
+        order, row i the output of (token, slot) ``order[i]`` -> the layer's output (`_finish`)."""
+        t, k = x_flat.shape[0], self.top_k
         # Un-permute: row i of y_sorted belongs to (token, slot) order[i].
         y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
         y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
@@ -476,6 +481,11 @@ class MXFP8MoE(nn.Module):
         # the dsv3 shape (t=65536, k=2, d=7168, H100, tools/combine_probe.py): einsum 41.4 ms
         # forward+backward, this 10.2 ms; rel. error vs fp32 2.8e-3 vs 3.4e-3 (bf16 products).
         out = (y_pairs * rearrange(weights.to(COMPUTE_DTYPE), "t k -> t k 1")).sum(dim=1)
+        return self._finish(out, x_flat, x)
+
+    def _finish(self, out: torch.Tensor, x_flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out (T, D)`` of the routed experts, plus the shared experts' output (if any), in
+        ``x``'s dtype and shape."""
         if self.num_shared_experts:
             out = out + self._shared_experts(x_flat.to(COMPUTE_DTYPE))  # (T, D) bf16
         return out.to(x.dtype).reshape(x.shape)

@@ -82,6 +82,24 @@ def check_weight_blocks(weight_blocks, who: str = "grouped_mm") -> None:
         )
 
 
+def check_layer_dims(dim, hidden_dim, num_experts, who: str) -> None:
+    """A layer's sizes: positive ints."""
+    for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{who}: {name} must be a positive int, got {v!r}")
+
+
+def check_mxfp8_dims(precision, dim, hidden_dim, who: str, why: str = "") -> None:
+    """precision="mxfp8": both reduced dims whole MXFP8 blocks (``why``: said after the rule)."""
+    if precision == "mxfp8":
+        for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
+            if v % L.BLOCK_SIZE:
+                raise ValueError(
+                    f"{who}: {name} must be a multiple of {L.BLOCK_SIZE} for "
+                    f"precision='mxfp8'{why}, got {v}"
+                )
+
+
 def check_scale_blocks(scale_blocks, who: str = "grouped_mm") -> None:
     if not isinstance(scale_blocks, str) or scale_blocks not in SCALE_BLOCKS:
         raise ValueError(

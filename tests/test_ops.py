@@ -97,31 +97,33 @@ def test_matches_bf16_grouped_mm(gen, case, save_colwise):
         assert torch.count_nonzero(dw[g]) == 0
 
 
+def _check_recipe_vs_bf16(gen, case, **recipe):
+    """The reference backend with ``recipe`` (one keyword) vs BF16 `torch._grouped_mm` on
+    ``case``: shapes and the SQNR bounds; returns dW."""
+    m, k, n, e, empty = case
+    x, w, offs, dy = make_data(gen, m, k, n, e, empty)
+    (y, dx, dw), (yr, dxr, dwr) = run_pair(x, w, offs, dy, backend="reference", **recipe)
+    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (e, n, k)
+    ((name, value),) = recipe.items()
+    assert_sqnr_bounds(f"{case} {name}={value}", gen, (yr, dxr, dwr), (y, dx, dw))
+    return dw
+
+
 # weight_blocks="32x32": measured on the CASES above (CPU, seeds 0-3, 2026-11-22) out 28.41-28.68,
 # dgrad 28.10-28.84, wgrad 28.36-28.67 dB -- equal to 1x32 at the same seed to 0.01 dB: a 32x32
 # tile's scale is at most ~1 binade coarser than a 1x32 block's on Gaussian weights, which E4M3's
 # 17 binades absorb. Same bounds as 1x32.
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + f"-e{c[4]}")
 def test_weight_blocks_32x32_matches_bf16_grouped_mm(gen, case):
-    m, k, n, e, empty = case
-    x, w, offs, dy = make_data(gen, m, k, n, e, empty)
-    (y, dx, dw), (yr, dxr, dwr) = run_pair(x, w, offs, dy, backend="reference",
-                                           weight_blocks="32x32")
-    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (e, n, k)
-    assert_sqnr_bounds(f"{case} weight_blocks=32x32", gen, (yr, dxr, dwr), (y, dx, dw))
+    _check_recipe_vs_bf16(gen, case, weight_blocks="32x32")
 
 
 # scale_blocks="1x128": same bounds (E4M3 rounding is scale-invariant above its subnormals, so
 # the SQNR equals 1x32's; tests/test_1x128_recipe.py prints both side by side).
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + f"-e{c[4]}")
 def test_scale_blocks_1x128_matches_bf16_grouped_mm(gen, case):
-    m, k, n, e, empty = case
-    x, w, offs, dy = make_data(gen, m, k, n, e, empty)
-    (y, dx, dw), (yr, dxr, dwr) = run_pair(x, w, offs, dy, backend="reference",
-                                           scale_blocks="1x128")
-    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (e, n, k)
-    assert_sqnr_bounds(f"{case} scale_blocks=1x128", gen, (yr, dxr, dwr), (y, dx, dw))
-    for g in empty:
+    dw = _check_recipe_vs_bf16(gen, case, scale_blocks="1x128")
+    for g in case[4]:
         assert torch.count_nonzero(dw[g]) == 0
 
 
@@ -301,16 +303,7 @@ def test_gpu_weight_blocks_32x32_matches_bf16_grouped_mm(gen, case):
     """The kernel backend with 32x32 weight tiles (sm90: b.block_rows == 32 in fprop/dgrad)
     vs BF16, same bounds as the CPU test; and the kernel equals the reference backend on the
     same data (the GEMMs accumulate in fp32 in another order: close, not bit-exact)."""
-    m, k, n, e, empty = case
-    x, w, offs, dy = make_data(gen, m, k, n, e, empty, device="cuda")
-    (y, dx, dw), (yr, dxr, dwr) = run_pair(x, w, offs, dy, backend="auto",
-                                           weight_blocks="32x32")
-    db = sqnr_db(yr, y), sqnr_db(dxr, dx), sqnr_db(dwr, dw)
-    print(f"GPU grouped_mm {case} 32x32: out/dgrad/wgrad SQNR", db)
-    assert db[0] >= OUT_MIN_DB and db[1] >= DGRAD_MIN_DB and db[2] >= WGRAD_MIN_DB, db
-    (y2, dx2, dw2), _ = run_pair(x, w, offs, dy, backend="reference", weight_blocks="32x32")
-    for name, a, b in (("out", y2, y), ("dgrad", dx2, dx), ("wgrad", dw2, dw)):
-        assert sqnr_db(a, b) >= KERNEL_VS_REFERENCE_MIN_DB, (name, sqnr_db(a, b))
+    _check_gpu_recipe(gen, case, weight_blocks="32x32")
 
 
 @pytest.mark.gpu
@@ -320,13 +313,20 @@ def test_gpu_weight_blocks_32x32_matches_bf16_grouped_mm(gen, case):
 def test_gpu_scale_blocks_1x128_matches_bf16_grouped_mm(gen, case):
     """scale_blocks="1x128" on the kernel backend (sm90: one promotion per k=128) vs BF16 with
     the same SQNR bounds, and vs the reference backend on the same data."""
+    _check_gpu_recipe(gen, case, scale_blocks="1x128")
+
+
+def _check_gpu_recipe(gen, case, **recipe):
+    """The kernel backend with ``recipe`` (one keyword) on ``case``: the SQNR bounds vs BF16,
+    then vs the reference backend on the same data."""
     m, k, n, e, empty = case
     x, w, offs, dy = make_data(gen, m, k, n, e, empty, device="cuda")
-    (y, dx, dw), (yr, dxr, dwr) = run_pair(x, w, offs, dy, backend="auto", scale_blocks="1x128")
+    (y, dx, dw), (yr, dxr, dwr) = run_pair(x, w, offs, dy, backend="auto", **recipe)
     db = sqnr_db(yr, y), sqnr_db(dxr, dx), sqnr_db(dwr, dw)
-    print(f"GPU grouped_mm {case} 1x128: out/dgrad/wgrad SQNR", db)
+    (value,) = recipe.values()
+    print(f"GPU grouped_mm {case} {value}: out/dgrad/wgrad SQNR", db)
     assert db[0] >= OUT_MIN_DB and db[1] >= DGRAD_MIN_DB and db[2] >= WGRAD_MIN_DB, db
-    (y2, dx2, dw2), _ = run_pair(x, w, offs, dy, backend="reference", scale_blocks="1x128")
+    (y2, dx2, dw2), _ = run_pair(x, w, offs, dy, backend="reference", **recipe)
     for name, a, b in (("out", y2, y), ("dgrad", dx2, dx), ("wgrad", dw2, dw)):
         assert sqnr_db(a, b) >= KERNEL_VS_REFERENCE_MIN_DB, (name, sqnr_db(a, b))
 

@@ -10,11 +10,7 @@
 # then the GPU test (tests/test_compile_cache.py -m gpu). Logs and a table land in $OUT.
 # MODES="cold split" bash tools/gpu_compile_cache.sh runs a subset (the test with "test").
 set -uo pipefail
-source tools/device_env.sh
-python -c "import pytest" 2>/dev/null || {
-  mkdir -p /tmp/pyt && tar -xJf .pyt/pytest.tar.xz -C /tmp/pyt && export PYTHONPATH=/tmp/pyt:$PYTHONPATH; }
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source tools/device_prelude.sh name,driver_version
 CACHE=$(mktemp -d)
 
 cat > /tmp/first_step.py <<'EOF'

@@ -6,11 +6,7 @@
 #   run  carry=[".devsite"]  command: source tools/device_env.sh && bash tools/gpu_datapath.sh
 # Env: TESTS / TESTS2 (pytest paths before / after the benchmark), LAYER_ARGS, *_TIMEOUT.
 set -uo pipefail
-source tools/device_env.sh
-python -c "import pytest" 2>/dev/null || {
-  mkdir -p /tmp/pyt && tar -xJf .pyt/pytest.tar.xz -C /tmp/pyt && export PYTHONPATH=/tmp/pyt:$PYTHONPATH; }
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source tools/device_prelude.sh name,driver_version
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "== GPU tests (1)"
 timeout ${TEST_TIMEOUT:-90} python -m pytest -v -m gpu -p no:cacheprovider -rf \

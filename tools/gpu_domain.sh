@@ -8,11 +8,7 @@
 #      CUDA-graph dispatch test, as a regression run of the changed indexing and grid
 # Logs land in $OUT (domain.txt, big.txt, regress.txt, summary.txt); the summary is printed last.
 set -uo pipefail
-source tools/device_env.sh
-python -c "import pytest" 2>/dev/null || {
-  mkdir -p /tmp/pyt && tar -xJf .pyt/pytest.tar.xz -C /tmp/pyt && export PYTHONPATH=/tmp/pyt:$PYTHONPATH; }
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+source tools/device_prelude.sh name,driver_version,memory.total
 PYTEST="python -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -W ignore::RuntimeWarning \
   --maxfail=20"
 # Compiling the many kernel variants is CPU-bound Python: spread tests over processes when

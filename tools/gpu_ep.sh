@@ -6,11 +6,7 @@
 # Multi-GPU (when lent):  python -m pytest -m gpu tests/test_expert_parallel.py  (EP=2, 4)
 #                         torchrun --nproc-per-node P tools/ep_bench.py --json $OUT/ep.json
 set -uo pipefail
-source tools/device_env.sh
-python -c "import pytest" 2>/dev/null || {
-  mkdir -p /tmp/pyt && tar -xJf .pyt/pytest.tar.xz -C /tmp/pyt && export PYTHONPATH=/tmp/pyt:$PYTHONPATH; }
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source tools/device_prelude.sh name,driver_version
 echo "== fp32 router GEMM rows vs token count (the multi-GPU test compares ranks' slices bitwise)"
 timeout 20 python -c "
 import torch

@@ -6,11 +6,7 @@
 # 2. all-to-all bytes and time, MXFP8 vs BF16 payloads, and the layer step at EP=P vs one GPU,
 #    at the dsv3 and qwen3 shapes (tools/ep_bench.py, P = 2 and, with 4 GPUs, 4).
 set -uo pipefail
-source tools/device_env.sh
-python -c "import pytest" 2>/dev/null || {
-  mkdir -p /tmp/pyt && tar -xJf .pyt/pytest.tar.xz -C /tmp/pyt && export PYTHONPATH=/tmp/pyt:$PYTHONPATH; }
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source tools/device_prelude.sh name,driver_version
 NGPU=$(nvidia-smi -L | wc -l)
 echo "== EP GPU tests (NCCL, EP = 1, 2, 4 as the GPUs allow)"
 timeout 300 python -m pytest -q -m gpu -s -p no:cacheprovider tests/test_expert_parallel.py 2>&1 \

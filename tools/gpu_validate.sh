@@ -5,11 +5,7 @@
 # pytest comes from the device image; where it is missing, carry ".pyt" too (tools/make_devsite.sh).
 # Logs land in $OUT (one file per group); SUITES="gemm layer" runs a subset.
 set -uo pipefail
-source tools/device_env.sh
-python -c "import pytest" 2>/dev/null || {
-  mkdir -p /tmp/pyt && tar -xJf .pyt/pytest.tar.xz -C /tmp/pyt && export PYTHONPATH=/tmp/pyt:$PYTHONPATH; }
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+source tools/device_prelude.sh name,driver_version,clocks.sm
 python -c "import torch, pytest; print('torch', torch.__version__, 'pytest', pytest.__version__)"
 declare -A FILES=(
   [gemm]="tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py"

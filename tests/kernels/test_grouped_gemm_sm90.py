@@ -260,6 +260,14 @@ def _check(out, ref, out_dtype):
     assert err <= tol, f"relative error {err:.3e} > {tol}"
 
 
+def _check_wgrad(out, ref, sizes, out_dtype):
+    """A K-grouped GEMM's ``out (E, N, K)``: empty groups exactly zero, then `_check`."""
+    for g, s in enumerate(sizes):
+        if s == 0:
+            assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
+    _check(out, ref, out_dtype)
+
+
 def _offs(sizes, dev):
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
 
@@ -338,10 +346,7 @@ def test_wgrad_matches_reference(grouping, out_dtype):
     K.grouped_mm_k(a, b, offs, out_dtype, out=out)
     ref = R.grouped_mm(a, b, offs, torch.float32)
     assert not torch.isnan(out).any()
-    for g, s in enumerate(sizes):
-        if s == 0:
-            assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
-    _check(out, ref, out_dtype)
+    _check_wgrad(out, ref, sizes, out_dtype)
 
 
 @gpu
@@ -532,10 +537,7 @@ def test_1x128_wgrad_matches_reference(grouping, out_dtype):
     b = R.quantize_colwise_ref(x, offs=offs, scale_blocks="1x128")
     out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=out_dtype)
     K.grouped_mm_k(a, b, offs, out_dtype, out=out, scale_blocks="1x128")
-    for g, s in enumerate(sizes):
-        if s == 0:
-            assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
-    _check(out, R.grouped_mm(a, b, offs, torch.float32), out_dtype)
+    _check_wgrad(out, R.grouped_mm(a, b, offs, torch.float32), sizes, out_dtype)
 
 
 @gpu
