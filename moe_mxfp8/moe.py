@@ -433,7 +433,7 @@ class MXFP8MoE(nn.Module):
         self.aux_loss = aux
         self.tokens_per_expert = counts.detach()
 
-        if self.precision == "bf16" or getattr(self, "scale_blocks", "1x32") in DP.WEIGHT_BLOCKS:
+        if self.precision == "bf16" or self.scale_blocks in DP.WEIGHT_BLOCKS:
             # The lean data path (moe_mxfp8.datapath): dispatch writes the sorted, group-padded
             # rows already quantized, SwiGLU and combine are fused with (de)quantization, the
             # backward sums in a fixed order (deterministic). The BF16 twin uses the same kernels.
@@ -447,24 +447,19 @@ class MXFP8MoE(nn.Module):
             )
             return self._finish(out, x_flat, x)
 
-        # Sort the T*k (token, slot) pairs by expert; stable, so tokens keep their order.
+        # MXFP8 with 1x128 scale blocks (no fused data-path kernels for it yet): sort the T*k
+        # (token, slot) pairs by expert (stable, so tokens keep their order) into the
+        # 128-row-aligned buffer, and run the grouped GEMMs of moe_mxfp8.grouped_mm.
         order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
-        if self.precision == "mxfp8":
-            rows, offs = self._aligned_rows(counts, t * k, self.group_align_rows)
-            m_pad = _padded_extent(t * k, counts.numel(), self.group_align_rows)
-            x_sorted = x_flat.new_zeros(m_pad, self.dim, dtype=COMPUTE_DTYPE)
-            x_sorted[rows] = x_flat.to(COMPUTE_DTYPE)[order // k]  # (M_pad, D), zero padding
-        else:
-            rows = None
-            offs = torch.cumsum(counts, dim=0).to(torch.int32)  # (E,) cumulative group ends
-            x_sorted = x_flat.to(COMPUTE_DTYPE)[order // k]  # (T*k, D)
+        rows, offs = self._aligned_rows(counts, t * k, self.group_align_rows)
+        m_pad = _padded_extent(t * k, counts.numel(), self.group_align_rows)
+        x_sorted = x_flat.new_zeros(m_pad, self.dim, dtype=COMPUTE_DTYPE)
+        x_sorted[rows] = x_flat.to(COMPUTE_DTYPE)[order // k]  # (M_pad, D), zero padding
 
         # SwiGLU experts: gate and up in one grouped GEMM (N = 2H), then down.
-        h = self._expert_mm(x_sorted, self.w_gate_up, offs)  # (M, 2H), M = T*k or M_pad
+        h = self._expert_mm(x_sorted, self.w_gate_up, offs)  # (M_pad, 2H)
         gate, up = rearrange(h, "m (two h) -> two m h", two=2)
-        y_sorted = self._expert_mm(F.silu(gate) * up, self.w_down, offs)  # (T*k, D)
-        if rows is not None:
-            y_sorted = y_sorted[rows]  # drop the padding rows
+        y_sorted = self._expert_mm(F.silu(gate) * up, self.w_down, offs)[rows]  # (T*k, D)
 
         return self._combine(y_sorted, order, weights, x_flat, x)
 
