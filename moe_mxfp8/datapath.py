@@ -50,6 +50,7 @@ from torch import Tensor
 
 from . import layout as L
 from . import reference as R
+from .backend import _warn_once
 from .gemm import grouped_mm_k, grouped_mm_m
 from .mx_tensor import MXFP8Tensor
 from .quantize import quantize_weights
@@ -141,8 +142,15 @@ def _triton_kernels():
 
 
 def use_triton(t: Tensor, backend: str) -> bool:
-    """Kernels run for CUDA tensors unless ``backend == "reference"`` or Triton is missing."""
-    return t.is_cuda and backend != "reference" and _triton_kernels() is not None
+    """Kernels run for CUDA tensors unless ``backend == "reference"`` or Triton is missing (then
+    the references run, with the same results, and a one-time warning says why it is slower)."""
+    if not t.is_cuda or backend == "reference":
+        return False
+    if _triton_kernels() is None:
+        _warn_once("moe_mxfp8: Triton is not installed; the MoE data path (dispatch, SwiGLU, "
+                   "combine) runs its PyTorch reference on the GPU (pip install 'moe_mxfp8[gpu]')")
+        return False
+    return True
 
 
 def _outputs(m: int, f: int, e: int, qrow: bool, qcol: bool, keep_bf16: bool, like: Tensor):

@@ -406,3 +406,17 @@ def test_gpu_deterministic_and_cuda_graph(gen, precision):
     c = [out.detach(), xs.grad] + [p.grad for p in mod.parameters()]
     for u, v in zip(a, c, strict=True):
         assert torch.equal(u, v)
+
+
+def test_missing_triton_on_cuda_warns_once_and_runs_the_reference(monkeypatch):
+    """A CUDA tensor without Triton takes the references (same results) with one warning."""
+
+    class CudaLike:  # stands in for a CUDA tensor: use_triton reads only .is_cuda
+        is_cuda = True
+
+    monkeypatch.setattr(DP, "_triton_kernels", lambda: None)
+    monkeypatch.setattr("moe_mxfp8.backend._warned", set())
+    with pytest.warns(RuntimeWarning, match="Triton is not installed"):
+        assert DP.use_triton(CudaLike(), "auto") is False
+    assert DP.use_triton(CudaLike(), "reference") is False
+    assert DP.use_triton(torch.zeros(1), "auto") is False  # CPU tensors never use Triton
