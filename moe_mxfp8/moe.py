@@ -72,12 +72,11 @@ GROUP_ALIGN_ROWS_1X128 = 128
 
 
 def _padded_extent(m: int, num_experts: int, align: int = GROUP_ALIGN_ROWS) -> int:
-    """Static row count of the 16-aligned expert-sorted buffer: ``m`` pairs plus at most 15 pad
-    rows per group, rounded to 16 (so the whole buffer's row count is a multiple of 16 too).
-    The same bound as `kernels.grouped_gemm_common.k_aligned_extent` (kept apart: importing the
+    """Static row count of the ``align``-aligned expert-sorted buffer (16 rows by default):
+    `moe_mxfp8.datapath.padded_extent`, the one copy of the bound for the layer's layouts. The
+    same bound as `kernels.grouped_gemm_common.k_aligned_extent` (kept apart: importing the
     kernels module needs CuTeDSL)."""
-    bound = m + (align - 1) * num_experts
-    return (bound + align - 1) // align * align
+    return DP.padded_extent(m, num_experts, align)
 
 
 class MXFP8MoE(nn.Module):
