@@ -289,7 +289,9 @@ def test_safetensors_roundtrip_and_cross_load(rng, tmp_path, src, dst, shared):
     for name, t in a.state_dict().items():
         u = b.state_dict()[name]
         assert u.dtype == t.dtype and torch.equal(u.view(torch.int16), t.view(torch.int16))
-    x = torch.randn(64, 128, generator=rng).to(BF16)
+    # 1024 tokens: the twins' SQNR on fresh data concentrates near its mean (about 23.5 dB
+    # without shared experts); with 64 tokens one draw in some hundreds fell under the floor.
+    x = torch.randn(1024, 128, generator=rng).to(BF16)
     with torch.no_grad():
         if src == dst:
             assert torch.equal(a(x), b(x))
