@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.mx_format import KERNEL_INPUT_ALIGN, MAX_EXTENT  # noqa: F401  (the domain's edges)
+
 FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROUNDING_MODES = ("rceil", "floor")
 SCALE_LAYOUTS = ("packed", "dense")
-# Largest extent of one dimension (and of E*N expert rows) on every backend: the kernels pass
-# extents and token counts as int32 (as ``offs`` is int32 by contract); element counts and
-# offsets are 64-bit, so a tensor may hold 2^31 elements or more.
-MAX_EXTENT = 2**31 - 1
-KERNEL_INPUT_ALIGN = 16  # bytes: the quantizer kernels' vector loads (inputs are copied if not)
 
 
 def check_float_input(name: str, x: torch.Tensor, ndim: int | tuple[int, ...]) -> None:

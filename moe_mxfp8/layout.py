@@ -8,8 +8,9 @@ block ``c`` of 32 elements along the reduced axis. Two layouts:
   scaling factor layout", PyTorch's ``SWIZZLE_32_4_4``): 512-byte tiles of 128 rows x 4 blocks,
   row-tile-major, rows padded to 128 and blocks to 4 with zero bytes.
 
-`packed_scale_offset` is the one place the packed formula lives; every packer, unpacker and the
-grouped forms call it (the CuTeDSL kernels mirror it in ``kernels/common.py``).
+`packed_scale_offset` (defined with the format's constants in ``kernels/mx_format.py``) is the one
+place the packed formula lives; every packer, unpacker and the grouped forms call it (the CuTeDSL
+kernels mirror it on the device in ``kernels/common.py``).
 
 Grouped buffers are sized from static bounds (``M``, ``E``) rather than from the group sizes, so
 that allocating them never needs the values of ``offs`` on the host (no device->host sync; CUDA
@@ -20,58 +21,24 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_SIZE = 32  # elements per scale block along the reduced axis
-TILE_ROWS = 128  # rows per packed tile
-TILE_BLOCKS = 4  # blocks per packed tile
-TILE_BYTES = TILE_ROWS * TILE_BLOCKS  # 512
+from .kernels.mx_format import (  # the format's constants and size formulas live there
+    BLOCK_SIZE,
+    TILE_BLOCKS,
+    TILE_BYTES,
+    TILE_ROWS,
+    ceil_div,
+    expert_scale_stride,
+    grouped_k_scale_bytes,
+    grouped_row_tiles_bound,
+    grouped_rows_scale_bytes,
+    packed_scale_bytes,
+    packed_scale_offset,
+    round_up,
+)
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
-
-
-def packed_scale_offset(r, c, num_blocks: int | torch.Tensor):
-    """Byte offset of ``scales[r, c]`` in a packed scale matrix of ``num_blocks`` blocks a row.
-
-    ``r``, ``c`` and ``num_blocks`` may be Python ints or integer tensors (broadcast together).
-    This is the contract's formula, and the only copy of it in the Python package::
-
-        tile   = (r // 128) * ceil(C / 4) + (c // 4)
-        offset = tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
-    """
-    tiles_per_row_tile = (num_blocks + (TILE_BLOCKS - 1)) // TILE_BLOCKS
-    tile = (r // TILE_ROWS) * tiles_per_row_tile + c // TILE_BLOCKS
-    return tile * TILE_BYTES + (r % 32) * 16 + ((r % TILE_ROWS) // 32) * 4 + c % TILE_BLOCKS
-
-
-def packed_scale_bytes(rows: int, num_blocks: int) -> int:
-    """Size in bytes of one packed scale matrix of ``rows`` x ``num_blocks``."""
-    return round_up(rows, TILE_ROWS) * round_up(num_blocks, TILE_BLOCKS)
-
-
-def grouped_row_tiles_bound(m: int, num_groups: int) -> int:
-    """Upper bound of ``sum_g ceil(m_g / 128)`` over any split of ``m`` rows into groups.
-
-    ``sum_g ceil(m_g/128) <= sum_g (m_g + 127) // 128 <= (m + 127 * G) // 128``; exact for G = 1.
-    """
-    return (m + (TILE_ROWS - 1) * num_groups) // TILE_ROWS
-
-
-def grouped_rows_scale_bytes(m: int, num_blocks: int, num_groups: int) -> int:
-    """Packed scale buffer size for an ``(m, K)`` matrix whose rows are split into groups."""
-    return grouped_row_tiles_bound(m, num_groups) * TILE_ROWS * round_up(num_blocks, TILE_BLOCKS)
-
-
-def grouped_k_scale_bytes(rows: int, m: int, num_groups: int) -> int:
-    """Packed scale buffer size for a ``(rows, m)`` matrix whose reduced axis m is split in groups.
-
-    Group g takes ``Rp * KBp_g`` bytes with ``KBp_g = ceil(ceil(m_g/32)/4)*4 = 4*ceil(m_g/128)``.
-    """
-    return round_up(rows, TILE_ROWS) * TILE_BLOCKS * grouped_row_tiles_bound(m, num_groups)
+__all__ = ["BLOCK_SIZE", "TILE_BLOCKS", "TILE_BYTES", "TILE_ROWS", "ceil_div",
+           "expert_scale_stride", "grouped_k_scale_bytes", "grouped_row_tiles_bound",
+           "grouped_rows_scale_bytes", "packed_scale_bytes", "packed_scale_offset", "round_up"]
 
 
 def group_sizes(offs: torch.Tensor) -> torch.Tensor:
@@ -216,11 +183,6 @@ def unpack_scales_grouped_k(packed: torch.Tensor, offs: torch.Tensor, rows: int)
     """Inverse of `pack_scales_grouped_k`: ``(rows, sum_g ceil(m_g/32))`` dense uint8."""
     nbt = grouped_k_num_blocks(offs)
     return packed.reshape(-1)[grouped_k_offsets(offs, rows, nbt)[0]]
-
-
-def expert_scale_stride(rows: int, num_blocks: int) -> int:
-    """Bytes between consecutive experts' packed scales of ``(E, rows, K)`` weights."""
-    return packed_scale_bytes(rows, num_blocks)
 
 
 def pack_scales_experts(dense: torch.Tensor) -> torch.Tensor:

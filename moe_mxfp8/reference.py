@@ -29,23 +29,19 @@ import math
 import torch
 
 from . import layout as L
+from .kernels.mx_format import (  # noqa: F401  (the format's constants, re-exported here)
+    ACT_BLOCK,
+    BLOCK_128,
+    E4M3_EMAX_BIASED,
+    E4M3_MAX,
+    E8M0_BIAS,
+    E8M0_NAN,
+    FP32_EXP_INF,
+    RCEIL_MANTISSA_THRESHOLD,
+    SCALE_BLOCKS,
+    WEIGHT_BLOCK_ROWS,
+)
 from .mx_tensor import MXFP8Tensor
-
-E4M3_MAX = 448.0
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
-E4M3_EMAX_BIASED = 135  # 127 (fp32 bias) + 8 (log2 of 448's octave: 448 = 1.75 * 2^8)
-RCEIL_MANTISSA_THRESHOLD = 0x600000  # mantissa field of 1.75: above it, amax > 448 * 2^e
-FP32_EXP_INF = 0xFF
-# Scale-block recipes (one name for the quantizers, grouped_mm and MXFP8MoE): activations and
-# gradients x weights. "1x32": exact MXFP8 everywhere (default). "32x32": weights one scale per
-# 32x32 tile. "1x128": one scale per 128 elements along the reduced axis for activations and
-# gradients, one per 128x128 weight tile; every 32-block carries its 128-block's scale, so each
-# tensor is a valid MXFP8 tensor (docs/numerics.md, "The 1x128 recipe").
-SCALE_BLOCKS = ("1x32", "32x32", "1x128")
-ACT_BLOCK = {"1x32": 32, "32x32": 32, "1x128": 128}  # activation/gradient block length
-WEIGHT_BLOCK_ROWS = {"1x32": 1, "32x32": 32, "1x128": 128}  # weight tile rows (1: 1x32 blocks)
-BLOCK_128 = 128
 
 
 def e8m0_to_float32(b: torch.Tensor) -> torch.Tensor:
