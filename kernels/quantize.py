@@ -1,12 +1,16 @@
 """MXFP8 quantizer kernels (CuTeDSL): rowwise, columnwise, dual and expert weights.
 
-Bit-exact with `moe_mxfp8.reference` (``docs/numerics.md``); scales are written
-straight into the packed (tcgen05) layout, pad bytes included, so no memset is needed.
+Bit-exact with the pure-PyTorch reference next to the public entry points
+(`moe_mxfp8.reference`, called by `moe_mxfp8.quantize`; the contract is ``docs/numerics.md``).
+Scales are written straight into the packed (tcgen05) layout, pad bytes included, so no memset
+is needed. The entry points return plain ``(data, scale)`` tensors; `moe_mxfp8.quantize` checks
+the arguments before and wraps the result into an ``MXFP8Tensor`` after.
 
 **Arch genericity.** One source compiles for sm_90a and sm_100a: the kernels use only SIMT
-instructions that both have -- 16-byte ``ld.global.nc``/``st.global``, ``shfl.sync``, shared
-memory, integer min/max and ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+, ``F2FP.SATFINITE.E4M3`` in
-SASS). No TMA, wgmma or tcgen05; `target_arch` (``CUTE_DSL_ARCH``) only picks the cubin.
+instructions that both have (`kernels/ptx.py`) -- 16-byte ``ld.global.nc``/``st.global``,
+``shfl.sync``, shared memory, integer min/max and ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+,
+``F2FP.SATFINITE.E4M3`` in SASS). No TMA, wgmma or tcgen05; `target_arch` (``CUTE_DSL_ARCH``)
+only picks the cubin.
 
 **One tile kernel, four front ends.** Every CTA (256 threads) owns a 128-token x 128-feature
 tile of ``x (M, K)`` (``x`` row-major, tokens = rows). Grid: ``ceil(K/128) * virtual token
@@ -35,6 +39,16 @@ rowwise, columnwise and dual.
   layout); axis N = columnwise with each expert's ``(K, N)`` block contiguous; ``block_rows=32``
   reduces the 32 column amaxes of a 32x32 tile across lanes first.
 
+**The 1x128 recipe is the same tile** (docs/numerics.md, "The 1x128 recipe"): a 128-element
+block along K is one row of the CTA tile, a 128-token block along the tokens is one column of it
+(a virtual tile starts at its group's first token, exactly where the 128-blocks restart), and a
+128x128 weight tile (per expert, partial at the edges) is the whole CTA tile. So ``act_block=128``
+widens the row amax's butterfly from one 32-block's lanes to the row's 16 / 32 lanes, and
+reduces a column's four 32-token amaxes across warps through shared memory; ``block_rows=128``
+reduces the tile's sixteen 32x32 amaxes there. The four bytes of a 128-block are adjacent in
+the packed layout (``c % 4`` is the fastest index), so one 32-bit store writes them, with 0 for
+the 32-blocks past the data (pad bytes stay 0, as the reference packs them).
+
 Scale exponent from the amax bits (never log2): ``e = E - 135 + (m > 0x600000)`` (RCEIL) or
 ``E - 135`` (FLOOR), clamped to [-127, 127]; 0xFF for NaN/Inf blocks. ``2^-e`` is built from
 bits; the multiply is ``mul.rn.f32`` (no flush-to-zero: fp32 subnormal inputs scale exactly),
@@ -50,178 +64,41 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import AddressSpace
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from moe_mxfp8 import layout as L
-from moe_mxfp8.checks import KERNEL_INPUT_ALIGN, MAX_EXTENT
-from moe_mxfp8.mx_tensor import MXFP8Tensor
-from moe_mxfp8.reference import (  # noqa: F401  (the pure-PyTorch definitions of these kernels)
-    quantize_colwise_ref,
-    quantize_dual_ref,
-    quantize_rowwise_ref,
-    quantize_weights_ref,
+from . import mx_format as F
+from .common import TORCH_TO_CUTLASS, CompileCache, current_stream, target_arch
+from .ptx import (
+    cvt_e4m3x4,
+    f16_to_f32_bits,
+    funnel_shift_right,
+    ld_global_b32,
+    ld_global_u16,
+    ld_global_v4,
+    ld_shared_b32,
+    ld_shared_v4,
+    st_global,
+    st_global_u8,
+    st_shared,
+    st_shared_pred,
 )
 
-from .common import TORCH_TO_CUTLASS, CompileCache, current_stream, target_arch
-
-TILE_TOKENS = 128  # tokens per CTA tile = rows of one packed scale tile
-TILE_FEATURES = 128  # features per CTA tile = 4 scale blocks (one packed 4-block column)
+TILE_TOKENS = F.TILE_ROWS  # tokens per CTA tile = rows of one packed scale tile
+TILE_FEATURES = F.TILE_BLOCKS * F.BLOCK_SIZE  # features per CTA tile = one packed 4-block column
 THREADS = 256
 VEC_BYTES = 16  # one ld.global.v4 / st.global.v4
 STAGE_ROW_BYTES = TILE_TOKENS + 16  # transposed staging row, padded by 16 B against conflicts
 ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
+ACT_BLOCKS = tuple(sorted(set(F.ACT_BLOCK.values())))  # 32, 128
+TILE_BLOCK_ROWS = tuple(sorted(set(F.WEIGHT_BLOCK_ROWS.values())))  # 1, 32, 128
+SUBTILES = (TILE_TOKENS // F.BLOCK_SIZE) * F.TILE_BLOCKS  # 32x32 sub-tiles of a CTA tile: 16
 
-# Scale exponent constants (see moe_mxfp8.reference for their derivation).
-E4M3_EMAX_BIASED = 135
-RCEIL_MANTISSA_THRESHOLD = 0x600000
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
 ABS_MASK = 0x7FFFFFFF
 BF16_HI_MASK = -65536  # 0xFFFF0000 as int32
 NO_MATCH = 0x7FFFFFFF  # load default that never satisfies ``tile_end <= t``
-
-
-# ---------------------------------------------------------------------------------------------
-# PTX helpers (inline asm: exact instruction choice, checked in PTX/SASS)
-# ---------------------------------------------------------------------------------------------
-
-def _asm(ret, args, text, constraints, side_effects, loc, ip):
-    return llvm.inline_asm(
-        ret, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-        has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def ld_global_v4(addr, pred, *, loc=None, ip=None):
-    """16 bytes from read-only global memory as 4 int32 words (zeros where ``pred`` is 0)."""
-    st = llvm.StructType.get_literal([T.i32()] * 4)
-    res = _asm(
-        st, [Int64(addr), Int32(pred)],
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
-        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-        "@p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];\n}",
-        "=r,=r,=r,=r,l,r", False, loc, ip,
-    )
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def ld_global_b32(addr, pred, default: int, *, loc=None, ip=None):
-    """One int32 from read-only global memory, ``default`` where ``pred`` is 0."""
-    return Int32(_asm(
-        T.i32(), [Int64(addr), Int32(pred)],
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n"
-        f"mov.b32 $0, {default};\n@p ld.global.nc.b32 $0, [$1];\n}}",
-        "=r,l,r", False, loc, ip,
-    ))
-
-
-@dsl_user_op
-def ld_global_u16(addr, pred, *, loc=None, ip=None):
-    """One 16-bit element from read-only global memory, zero-extended (0 where ``pred`` is 0)."""
-    return Int32(_asm(
-        T.i32(), [Int64(addr), Int32(pred)],
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n"
-        "mov.b32 $0, 0;\n@p ld.global.nc.u16 $0, [$1];\n}",
-        "=r,l,r", False, loc, ip,
-    ))
-
-
-@dsl_user_op
-def st_global(addr, words, pred, *, loc=None, ip=None):
-    """Store 1, 2 or 4 int32 words (4, 8, 16 bytes) where ``pred`` is nonzero."""
-    n = len(words)
-    vec = {1: "b32 [$0], $1", 2: "v2.b32 [$0], {$1, $2}", 4: "v4.b32 [$0], {$1, $2, $3, $4}"}[n]
-    _asm(
-        None, [Int64(addr), *[Int32(w) for w in words], Int32(pred)],
-        f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${n + 1}, 0;\n@p st.global.{vec};\n}}",
-        "l," + ",".join(["r"] * (n + 1)), True, loc, ip,
-    )
-
-
-@dsl_user_op
-def st_global_u8(addr, value, pred, *, loc=None, ip=None):
-    _asm(
-        None, [Int64(addr), Int32(value), Int32(pred)],
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.global.u8 [$0], $1;\n}",
-        "l,r,r", True, loc, ip,
-    )
-
-
-@dsl_user_op
-def st_shared(addr, words, *, loc=None, ip=None):
-    """Store 1 or 4 int32 words to shared memory (32-bit shared address)."""
-    n = len(words)
-    vec = {1: "b32 [$0], $1", 4: "v4.b32 [$0], {$1, $2, $3, $4}"}[n]
-    _asm(
-        None, [Int32(addr), *[Int32(w) for w in words]], f"st.shared.{vec};",
-        "r," + ",".join(["r"] * n), True, loc, ip,
-    )
-
-
-@dsl_user_op
-def st_shared_pred(addr, value, pred, *, loc=None, ip=None):
-    _asm(
-        None, [Int32(addr), Int32(value), Int32(pred)],
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p st.shared.b32 [$0], $1;\n}",
-        "r,r,r", True, loc, ip,
-    )
-
-
-@dsl_user_op
-def ld_shared_b32(addr, *, loc=None, ip=None):
-    # volatile (side effects) so that it is never hoisted above a barrier
-    return Int32(_asm(T.i32(), [Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r", True, loc, ip))
-
-
-@dsl_user_op
-def ld_shared_v4(addr, *, loc=None, ip=None):
-    st = llvm.StructType.get_literal([T.i32()] * 4)
-    res = _asm(st, [Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-               "=r,=r,=r,=r,r", True, loc, ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def cvt_e4m3x4(a, b, c, d, inv_scale_bits, *, loc=None, ip=None):
-    """Four fp32 bit patterns times ``2^-e`` -> four E4M3 bytes in one int32 (``a`` lowest).
-
-    ``mul.rn.f32`` (no ftz) then ``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even,
-    saturate to +-448 -- the reference's clamp-then-cast.
-    """
-    return Int32(_asm(
-        T.i32(), [Int32(v) for v in (a, b, c, d, inv_scale_bits)],
-        "{\n.reg .f32 fa, fb, fc, fd, s;\n.reg .b16 lo, hi;\n"
-        "mov.b32 s, $5;\nmov.b32 fa, $1;\nmov.b32 fb, $2;\nmov.b32 fc, $3;\nmov.b32 fd, $4;\n"
-        "mul.rn.f32 fa, fa, s;\nmul.rn.f32 fb, fb, s;\nmul.rn.f32 fc, fc, s;\n"
-        "mul.rn.f32 fd, fd, s;\ncvt.rn.satfinite.e4m3x2.f32 lo, fb, fa;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 hi, fd, fc;\nmov.b32 $0, {lo, hi};\n}",
-        "=r,r,r,r,r,r", False, loc, ip,
-    ))
-
-
-@dsl_user_op
-def funnel_shift_right(lo, hi, n, *, loc=None, ip=None):
-    """Low 32 bits of ``(hi:lo) >> n``, n clamped to 32 (``shf.r.clamp``)."""
-    return Int32(_asm(T.i32(), [Int32(lo), Int32(hi), Int32(n)],
-                      "shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", False, loc, ip))
-
-
-@dsl_user_op
-def f16_to_f32_bits(word, half: int, *, loc=None, ip=None):
-    """fp32 bit pattern of the low (``half=0``) or high fp16 of a word (exact conversion)."""
-    sel = "l" if half == 0 else "h"
-    return Int32(_asm(
-        T.i32(), [Int32(word)],
-        "{\n.reg .b16 l, h;\n.reg .f32 f;\nmov.b32 {l, h}, $1;\n"
-        f"cvt.f32.f16 f, {sel};\nmov.b32 $0, f;\n}}",
-        "=r,r", False, loc, ip,
-    ))
 
 
 def _log2(n: int) -> int:
@@ -240,17 +117,21 @@ def unpack_f32_bits(word, half: int, dtype: str):
 def scale_from_amax(amax, rceil: bool):
     """(E8M0 byte, fp32 bits of 2^-e) from the fp32 bits of a block's |amax|."""
     exp_field = amax >> 23
-    e = exp_field - E4M3_EMAX_BIASED
+    e = exp_field - F.E4M3_EMAX_BIASED
     if rceil:
-        e = e + Int32((amax & 0x7FFFFF) > RCEIL_MANTISSA_THRESHOLD)
-    e = cutlass.min(cutlass.max(e, -E8M0_BIAS), E8M0_BIAS)
-    byte = cutlass.select_(exp_field == 0xFF, Int32(E8M0_NAN), e + E8M0_BIAS)
-    return byte, inv_scale_from_byte(e + E8M0_BIAS)
+        e = e + Int32((amax & 0x7FFFFF) > F.RCEIL_MANTISSA_THRESHOLD)
+    e = cutlass.min(cutlass.max(e, -F.E8M0_BIAS), F.E8M0_BIAS)
+    byte = cutlass.select_(exp_field == F.FP32_EXP_INF, Int32(F.E8M0_NAN), e + F.E8M0_BIAS)
+    return byte, (F.E8M0_BIAS - e) << 23  # fp32 bits of 2^-e: a normal number for |e| <= 127
 
 
-def inv_scale_from_byte(byte):
-    """fp32 bits of ``2^(127 - byte)`` (a normal fp32 for every finite block's byte)."""
-    return (2 * E8M0_BIAS - byte) << 23
+def replicated_word(byte, n_blocks):
+    """The four packed bytes of one 128-block (``c % 4`` = 0..3, adjacent): ``byte`` in the
+    first ``n_blocks`` (the 32-blocks that hold data), 0 in the pad blocks after them."""
+    word = Int32(0)
+    for b in range(F.TILE_BLOCKS):
+        word = word | cutlass.select_(Int32(b) < n_blocks, byte << (8 * b), Int32(0))
+    return word
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,8 +148,10 @@ class QuantConfig:
     rows / cols: write the rowwise / columnwise output; grouping: "none" | "offs" (row groups
     from device ``offs``) | "uniform" (groups of ``group_rows`` tokens: experts);
     col_layout: "concat" (``x.T`` as ``(K, M)``) | "experts" (``(E, K, N)``);
-    block_rows: 1 or 32 (32x32 scale tiles); col_aligned: every colwise output segment starts on
-    16 bytes (no offs, tokens per group % 16 == 0) -> 16-byte stores instead of shifted words.
+    block_rows: weights' scale tiles, 1 (1x32 blocks), 32 (32x32) or 128 (128x128);
+    col_aligned: every colwise output segment starts on 16 bytes (no offs, tokens per group
+    % 16 == 0) -> 16-byte stores instead of shifted words; act_block: activations' block length
+    along the reduced axis, 32 (MXFP8) or 128 (the 1x128 recipe; rows and columns alike).
     """
 
     dtype: str
@@ -281,6 +164,7 @@ class QuantConfig:
     col_layout: str = "concat"
     block_rows: int = 1
     col_aligned: bool = False
+    act_block: int = F.BLOCK_SIZE
 
 
 class TileQuantizer:
@@ -291,24 +175,35 @@ class TileQuantizer:
         eb = ELEM_BYTES[config.dtype]
         self.elem_bytes = eb
         self.vec_elems = VEC_BYTES // eb  # elements per 16-byte vector: 8 or 4
-        self.lanes_per_block = L.BLOCK_SIZE // self.vec_elems  # 4 or 8
+        self.lanes_per_block = F.BLOCK_SIZE // self.vec_elems  # 4 or 8
         self.vecs_per_row = TILE_FEATURES * eb // VEC_BYTES  # 16 or 32
         self.vecs_per_thread = TILE_TOKENS * self.vecs_per_row // THREADS  # 8 or 16
         self.row_bytes = TILE_FEATURES * eb  # shared tile row: 256 or 512 bytes
         self.words_per_row = self.row_bytes // 4  # 64 or 128
         self.feats_per_word = 4 // eb  # 2 or 1
         self.col_tasks = self.words_per_row * 4 // THREADS  # (word column, block) per thread
-        self.feat_tiles = L.ceil_div(config.k, TILE_FEATURES)
+        self.feat_tiles = F.ceil_div(config.k, TILE_FEATURES)
         # A row of x starts on a 16-byte boundary only if K fills whole vectors; otherwise (a
         # columnwise K that is not a multiple of 8 / 4) the tile loads element by element.
         self.vec_loads = config.k % self.vec_elems == 0
         self.k_padded = self.feat_tiles * TILE_FEATURES  # Rp of the colwise packed layout
-        self.block32 = config.block_rows == 32
-        self.needs_smem = config.cols or self.block32
+        self.tiled = config.block_rows > 1  # weights' 32x32 / 128x128 scale tiles
+        self.block32 = config.block_rows == F.BLOCK_SIZE
+        act128 = config.act_block == F.BLOCK_128
+        # a 128-block (or tile) spans the four 32-blocks of a packed word: one 32-bit store
+        wide = act128 or config.block_rows == F.BLOCK_128
+        self.wide_rows = config.rows and wide
+        self.wide_cols = config.cols and wide
+        self.col128 = config.cols and act128
+        # lanes that share one rowwise amax: a 32-block's, or (1x128) the whole tile row's
+        self.row_lanes = self.vecs_per_row if act128 else self.lanes_per_block
+        self.needs_smem = config.cols or self.tiled
         tile_bytes = TILE_TOKENS * self.row_bytes
         stage_bytes = TILE_FEATURES * STAGE_ROW_BYTES
-        self.tscale_offset = max(tile_bytes, stage_bytes)  # staging aliases the input tile
-        self.smem_bytes = self.tscale_offset + 64 if self.needs_smem else 0
+        self.amax_offset = max(tile_bytes, stage_bytes)  # staging aliases the input tile
+        # amax exchange slots: (32-token block, feature) for 1x128 columns, else 32x32 sub-tiles
+        slots = F.TILE_BLOCKS * TILE_FEATURES if self.col128 else SUBTILES if self.tiled else 0
+        self.smem_bytes = self.amax_offset + 4 * slots if self.needs_smem else 0
 
     def can_implement(self) -> str | None:
         """None if this config can run, else why not."""
@@ -319,7 +214,11 @@ class TileQuantizer:
             return f"rounding {c.rounding!r} not supported"
         if c.k < 1:
             return f"K={c.k}: nothing to quantize (the entry points skip empty tensors)"
-        if (c.rows or self.block32) and c.k % L.BLOCK_SIZE:
+        if c.act_block not in ACT_BLOCKS:
+            return f"activation block {c.act_block} not supported {ACT_BLOCKS}"
+        if c.block_rows not in TILE_BLOCK_ROWS:
+            return f"weight tile rows {c.block_rows} not supported {TILE_BLOCK_ROWS}"
+        if (c.rows or self.block32) and c.k % F.BLOCK_SIZE:
             return f"K={c.k} must be a multiple of 32 when blocks run along K (rowwise, 32x32)"
         if not (c.rows or c.cols):
             return "nothing to write"
@@ -327,12 +226,14 @@ class TileQuantizer:
             return f"grouping {c.grouping!r} unknown"
         if c.grouping == "uniform" and c.group_rows <= 0:
             return "uniform groups (experts) need a positive row count"
-        if c.grouping == "uniform" and (c.cols or self.block32) and c.group_rows % L.BLOCK_SIZE:
+        if c.grouping == "uniform" and (c.cols or self.block32) and c.group_rows % F.BLOCK_SIZE:
             return f"blocks along the expert rows need N % 32 == 0, got N={c.group_rows}"
         if c.col_layout == "experts" and c.grouping != "uniform":
             return "the experts column layout needs uniform groups"
-        if self.block32 and c.grouping != "uniform":
-            return "32x32 blocks are for expert weights (uniform groups)"
+        if self.tiled and c.grouping != "uniform":
+            return "32x32 / 128x128 scale tiles are for expert weights (uniform groups)"
+        if c.grouping == "uniform" and c.act_block != F.BLOCK_SIZE:
+            return "expert weights choose their scale tiles with block_rows, not act_block"
         return None
 
     # ---- host side --------------------------------------------------------------------------
@@ -366,7 +267,7 @@ class TileQuantizer:
         tiles_g = n_vtiles
         g = Int32(0)
         if const_expr(c.grouping == "uniform"):
-            tiles_per_group = L.ceil_div(c.group_rows, TILE_TOKENS)
+            tiles_per_group = F.ceil_div(c.group_rows, TILE_TOKENS)
             g = t // tiles_per_group
             t_first = g * tiles_per_group
             local = (t - t_first) * TILE_TOKENS
@@ -418,13 +319,13 @@ class TileQuantizer:
         if const_expr(self.needs_smem):
             smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
             self.stash_tile(smem, words, tid)
-        if const_expr(c.rows and not self.block32):
+        if const_expr(c.rows and not self.tiled):
             self.rows_phase(q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid)
         if const_expr(self.needs_smem):
             cute.arch.sync_threads()
             self.cols_phase(q_col, s_col, smem, tok_begin, n_valid, feat0, bx, t, t_first,
                             tiles_g, g, m, tid)
-        if const_expr(c.rows and self.block32):
+        if const_expr(c.rows and self.tiled):
             self.rows_phase(q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid)
 
     @cute.jit
@@ -473,12 +374,19 @@ class TileQuantizer:
 
     @cute.jit
     def rows_phase(self, q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid):
-        """Rowwise output from registers: lanes_per_block lanes share a block (shfl amax)."""
+        """Rowwise output from registers: ``row_lanes`` lanes share a block (shfl amax); with
+        scale tiles (weights), the tile amaxes the columns phase left in shared memory."""
         c = self.cfg
         lane = tid % 32
         rceil = c.rounding == "rceil"
         q_base = q_row.toint()
         s_base = s_row.toint()
+        whole_tile = Int32(0)
+        if const_expr(c.block_rows == F.BLOCK_128):
+            whole_tile = self.slots_max(smem, range(SUBTILES))
+        # 32-blocks of this feature tile that hold data (the rest of a 128-block is pad)
+        blocks_here = cutlass.min(cutlass.max(c.k // F.BLOCK_SIZE - bx * F.TILE_BLOCKS, 0),
+                                  F.TILE_BLOCKS)
         for it in cutlass.range_constexpr(self.vecs_per_thread):
             r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
             vec = tid % self.vecs_per_row
@@ -488,18 +396,18 @@ class TileQuantizer:
             for j in cutlass.range_constexpr(4):
                 for h in cutlass.range_constexpr(self.feats_per_word):
                     bits.append(unpack_f32_bits(w[j], h, c.dtype))
-            byte = Int32(0)
-            inv = Int32(0)
-            if const_expr(self.block32):
-                byte = ld_shared_b32(smem + self.tscale_offset + ((r // 32) * 4 + blk) * 4)
-                inv = inv_scale_from_byte(byte)
+            amax = Int32(0)
+            if const_expr(c.block_rows == F.BLOCK_128):
+                amax = whole_tile
+            elif const_expr(self.block32):
+                amax = ld_shared_b32(self.slot(smem, (r // 32) * F.TILE_BLOCKS + blk))
             else:
                 amax = bits[0] & ABS_MASK
                 for i in cutlass.range_constexpr(1, len(bits)):
                     amax = cutlass.max(amax, bits[i] & ABS_MASK)
-                for step in cutlass.range_constexpr(_log2(self.lanes_per_block)):
+                for step in cutlass.range_constexpr(_log2(self.row_lanes)):
                     amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << step))
-                byte, inv = scale_from_amax(amax, rceil)
+            byte, inv = scale_from_amax(amax, rceil)
             out = []
             for j in cutlass.range_constexpr(len(bits) // 4):
                 out.append(cvt_e4m3x4(bits[4 * j], bits[4 * j + 1], bits[4 * j + 2],
@@ -510,10 +418,16 @@ class TileQuantizer:
             # Packed offset of (virtual row t*128 + r, block 4*bx + blk); every byte of the
             # tile is written (pad rows / blocks load as zeros -> byte 0). 64-bit like every
             # global offset here.
-            s_off = ((Int64(t) * self.feat_tiles + bx) * L.TILE_BYTES + (r % 32) * 16
-                     + (r // 32) * 4)
-            st_global_u8(s_base + Int64(s_off + blk), byte,
-                         Int32(lane % self.lanes_per_block == 0))
+            s_off = Int64((Int64(t) * self.feat_tiles + bx) * F.TILE_BYTES + (r % 32) * 16
+                          + (r // 32) * 4)
+            if const_expr(self.wide_rows):
+                # one lane per row writes the 128-block's four bytes; a pad row or pad blocks
+                # get 0 (their amax is the tile's, or the row's, not their own zeros)
+                n = cutlass.select_(r < n_valid, blocks_here, Int32(0))
+                st_global(s_base + s_off, [replicated_word(byte, n)],
+                          Int32(lane % self.vecs_per_row == 0))
+            else:
+                st_global_u8(s_base + s_off + blk, byte, Int32(lane % self.lanes_per_block == 0))
 
     @cute.jit
     def cols_phase(self, q_col, s_col, smem, tok_begin, n_valid, feat0, bx, t, t_first,
@@ -531,16 +445,20 @@ class TileQuantizer:
             wc = u % self.words_per_row
             blk = u // self.words_per_row
             cw = []
-            for i in cutlass.range_constexpr(L.BLOCK_SIZE):
+            for i in cutlass.range_constexpr(F.BLOCK_SIZE):
                 cw.append(ld_shared_b32(smem + (blk * 32 + i) * self.row_bytes + wc * 4))
             for h in cutlass.range_constexpr(self.feats_per_word):
-                bits = [unpack_f32_bits(cw[i], h, c.dtype) for i in range(L.BLOCK_SIZE)]
+                bits = [unpack_f32_bits(cw[i], h, c.dtype) for i in range(F.BLOCK_SIZE)]
                 amax = bits[0] & ABS_MASK
-                for i in cutlass.range_constexpr(1, L.BLOCK_SIZE):
+                for i in cutlass.range_constexpr(1, F.BLOCK_SIZE):
                     amax = cutlass.max(amax, bits[i] & ABS_MASK)
                 outs.append((wc * self.feats_per_word + h, blk, bits, amax))
-        if const_expr(self.block32):
-            outs = self.tile_amax(outs, smem, lane, tid)
+        if const_expr(self.tiled):
+            outs = self.tile_amax(outs, smem, lane)
+        if const_expr(self.col128):
+            outs = self.column_amax_128(outs, smem)
+        # 32-token blocks of this tile that hold tokens (the rest of a 128-block is pad)
+        blocks_here = cutlass.min((n_valid + (F.BLOCK_SIZE - 1)) // F.BLOCK_SIZE, F.TILE_BLOCKS)
         staged = []
         for oi in cutlass.range_constexpr(len(outs)):
             f, blk, bits, amax = outs[oi]
@@ -549,9 +467,15 @@ class TileQuantizer:
                 q = [cvt_e4m3x4(bits[4 * j], bits[4 * j + 1], bits[4 * j + 2], bits[4 * j + 3],
                                 inv) for j in range(8)]
                 staged.append((f, blk, q))
-                s_off = ((Int64(bx) * tiles_g + (t - t_first)) * L.TILE_BYTES + (f % 32) * 16
-                         + (f // 32) * 4 + blk)
-                st_global_u8(s_base + col_base + s_off, byte, 1)
+                s_off = col_base + ((Int64(bx) * tiles_g + (t - t_first)) * F.TILE_BYTES
+                                    + (f % 32) * 16 + (f // 32) * 4)
+                if const_expr(self.wide_cols):
+                    # the block-0 thread of a feature writes its four bytes; features past K
+                    # and pad blocks get 0
+                    n = cutlass.select_(feat0 + f < c.k, blocks_here, Int32(0))
+                    st_global(s_base + s_off, [replicated_word(byte, n)], Int32(blk == 0))
+                else:
+                    st_global_u8(s_base + s_off + blk, byte, 1)
         if const_expr(c.cols):
             cute.arch.sync_threads()  # every column read of the input tile is done
             for si in cutlass.range_constexpr(len(staged)):
@@ -562,13 +486,27 @@ class TileQuantizer:
             cute.arch.sync_threads()
             self.write_cols(q_col, smem, tok_begin, n_valid, feat0, t, t_first, g, m, tid)
         else:
-            cute.arch.sync_threads()  # tile scales visible to the rows phase
+            cute.arch.sync_threads()  # tile amaxes visible to the rows phase
+
+    def slot(self, smem, i):
+        """Shared address of amax exchange slot ``i`` (past the input tile and staging)."""
+        return smem + self.amax_offset + i * 4
+
+    def slots_max(self, smem, indices):
+        """Max of the amax slots ``indices`` (static)."""
+        idx = list(indices)
+        amax = ld_shared_b32(self.slot(smem, idx[0]))
+        for i in idx[1:]:
+            amax = cutlass.max(amax, ld_shared_b32(self.slot(smem, i)))
+        return amax
 
     @cute.jit
-    def tile_amax(self, outs, smem, lane, tid):
-        """32x32 blocks: max of the 32 column amaxes of a tile (lanes hold 32 features)."""
+    def tile_amax(self, outs, smem, lane):
+        """Scale tiles (weights): the amax of each 32x32 sub-tile -- the 32 column amaxes its
+        lanes hold, by butterfly -- left in shared memory for the rows phase; for 128x128
+        tiles, the max of all sixteen (a CTA-wide exchange) replaces every column amax."""
         c = self.cfg
-        width = L.BLOCK_SIZE // self.feats_per_word  # lanes spanning 32 features
+        width = F.BLOCK_SIZE // self.feats_per_word  # lanes spanning 32 features
         res = []
         for task in cutlass.range_constexpr(self.col_tasks):
             parts = outs[task * self.feats_per_word: (task + 1) * self.feats_per_word]
@@ -577,14 +515,35 @@ class TileQuantizer:
                 amax = cutlass.max(amax, parts[i][3])
             for step in cutlass.range_constexpr(_log2(width)):
                 amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << step))
-            if const_expr(c.rows):
+            if const_expr(c.rows or c.block_rows == F.BLOCK_128):
                 f, blk = parts[0][0], parts[0][1]
-                byte, _ = scale_from_amax(amax, c.rounding == "rceil")
-                a = smem + self.tscale_offset + (blk * 4 + f // 32) * 4
-                # one writer per 32x32 tile (all its lanes hold the same value)
-                st_shared_pred(a, byte, Int32(lane % width == 0))
+                # one writer per 32x32 sub-tile (all its lanes hold the same value)
+                st_shared_pred(self.slot(smem, blk * F.TILE_BLOCKS + f // 32), amax,
+                               Int32(lane % width == 0))
             for i in cutlass.range_constexpr(len(parts)):
                 res.append((parts[i][0], parts[i][1], parts[i][2], amax))
+        if const_expr(c.block_rows == F.BLOCK_128 and c.cols):
+            cute.arch.sync_threads()  # all sixteen sub-tile amaxes written
+            whole = self.slots_max(smem, range(SUBTILES))
+            res = [(f, blk, bits, whole) for f, blk, bits, _ in res]
+        return res
+
+    @cute.jit
+    def column_amax_128(self, outs, smem):
+        """1x128 along the tokens: a feature's amax over the tile's four 32-token blocks. Those
+        are held by threads of different warps (the block index is the slow one), so they meet
+        in shared memory: slot ``blk * 128 + f``."""
+        for oi in cutlass.range_constexpr(len(outs)):
+            f, blk, _, amax = outs[oi]
+            st_shared(self.slot(smem, blk * TILE_FEATURES + f), [amax])
+        cute.arch.sync_threads()
+        res = []
+        for oi in cutlass.range_constexpr(len(outs)):
+            f, blk, bits, _ = outs[oi]
+            amax = ld_shared_b32(self.slot(smem, f))
+            for j in cutlass.range_constexpr(1, F.TILE_BLOCKS):
+                amax = cutlass.max(amax, ld_shared_b32(self.slot(smem, j * TILE_FEATURES + f)))
+            res.append((f, blk, bits, amax))
         return res
 
     @cute.jit
@@ -678,7 +637,7 @@ class DualQuantizer(TileQuantizer):
 
 class WeightQuantizer(TileQuantizer):
     """Expert weights ``(E, N, K)``: axis K = rows of ``(E*N, K)`` in groups of N; axis N =
-    columns, each expert's ``(K, N)`` contiguous; optional 32x32 blocks."""
+    columns, each expert's ``(K, N)`` contiguous; optional 32x32 / 128x128 scale tiles."""
 
     def __init__(self, config: QuantConfig):
         assert config.grouping == "uniform"
@@ -718,26 +677,9 @@ def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry points (the signatures moe_mxfp8.quantize calls through kernels.lookup)
+# Entry points (called by moe_mxfp8.quantize after its argument checks: x is a contiguous,
+# 16-byte aligned CUDA tensor of a supported dtype, offs a dense int32 array on its device)
 # ---------------------------------------------------------------------------------------------
-
-
-def _dtype_name(x: torch.Tensor) -> str:
-    for name, dt in TORCH_DTYPES.items():
-        if x.dtype == dt:
-            return name
-    raise TypeError(f"moe_mxfp8 quantizer kernels take bf16/fp16/fp32 input, got {x.dtype}")
-
-
-def _check_input(x: torch.Tensor, ndim: int) -> None:
-    if x.device.type != "cuda" or not x.is_contiguous() or x.dim() != ndim:
-        raise ValueError("quantizer kernels need a contiguous CUDA tensor of the right rank")
-    # Element offsets are 64-bit (any element count); each extent and the token / tile counts
-    # travel as int32 (the int32 offs contract bounds the grouped ones anyway).
-    if max(x.shape, default=0) > MAX_EXTENT:
-        raise ValueError(f"quantizer kernels take extents < 2^31, got shape {tuple(x.shape)}")
-    if x.data_ptr() % KERNEL_INPUT_ALIGN:
-        raise ValueError("quantizer kernels need a 16-byte aligned input")
 
 
 def _group_tables(offs: torch.Tensor | None, m: int):
@@ -746,20 +688,20 @@ def _group_tables(offs: torch.Tensor | None, m: int):
     Only device ops on ``offs``: nothing reads its values on the host.
     """
     if offs is None:
-        return 1, None, 0, L.ceil_div(m, L.TILE_ROWS)
+        return 1, None, 0, F.ceil_div(m, F.TILE_ROWS)
     o = offs.to(torch.int32)
     sizes = torch.diff(o, prepend=o.new_zeros(1))
-    tile_ends = torch.cumsum((sizes + (L.TILE_ROWS - 1)) // L.TILE_ROWS, 0, dtype=torch.int32)
+    tile_ends = torch.cumsum((sizes + (F.TILE_ROWS - 1)) // F.TILE_ROWS, 0, dtype=torch.int32)
     g = offs.numel()
-    return g, tile_ends, g.bit_length(), L.grouped_row_tiles_bound(m, g)
+    return g, tile_ends, g.bit_length(), F.grouped_row_tiles_bound(m, g)
 
 
 def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, steps,
             n_vtiles):
-    ctas = n_vtiles * L.ceil_div(config.k, TILE_FEATURES)
+    ctas = n_vtiles * F.ceil_div(config.k, TILE_FEATURES)
     if ctas == 0:  # no tokens and no pad tiles, or K == 0: every output is empty
         return
-    if ctas > MAX_EXTENT:
+    if ctas > F.MAX_EXTENT:
         raise ValueError(f"moe_mxfp8 {op}: {ctas} tiles exceed the grid limit (2^31 - 1)")
     fn = compile_quantizer(op, config)
     dummy = x.data_ptr()
@@ -774,93 +716,96 @@ def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_gro
        current_stream())
 
 
+def _buffer(out, name, shape, dtype, device):
+    """``out[name]`` (a preallocated buffer, tests poison them) or a fresh one."""
+    t = None if out is None else out.get(name)
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"out[{name!r}] must be a contiguous {dtype} tensor of shape {shape}")
+    return t
+
+
 def _alloc_outputs(x, offs, rows: bool, cols: bool, out=None):
-    """Row data/scales and col data/scales (``out`` = a dict of preallocated buffers, tests)."""
+    """Row data/scales and col data/scales, by name."""
     m, k = x.shape
     g = 1 if offs is None else offs.numel()
-    nb = k // L.BLOCK_SIZE
-    want = {}
-    if rows:
-        want["q_row"] = ((m, k), torch.float8_e4m3fn)
-        nbytes = (L.packed_scale_bytes(m, nb) if offs is None
-                  else L.grouped_rows_scale_bytes(m, nb, g))
-        want["s_row"] = ((nbytes,), torch.uint8)
-    if cols:
-        want["q_col"] = ((k, m), torch.float8_e4m3fn)
-        nbytes = (L.packed_scale_bytes(k, L.ceil_div(m, L.BLOCK_SIZE)) if offs is None
-                  else L.grouped_k_scale_bytes(k, m, g))
-        want["s_col"] = ((nbytes,), torch.uint8)
+    nb = k // F.BLOCK_SIZE
     res = {}
-    for name, (shape, dt) in want.items():
-        t = None if out is None else out.get(name)
-        if t is None:
-            t = torch.empty(shape, dtype=dt, device=x.device)
-        elif tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
-            raise ValueError(f"out[{name!r}] must be a contiguous {dt} tensor of shape {shape}")
-        res[name] = t
+    if rows:
+        res["q_row"] = _buffer(out, "q_row", (m, k), torch.float8_e4m3fn, x.device)
+        nbytes = (F.packed_scale_bytes(m, nb) if offs is None
+                  else F.grouped_rows_scale_bytes(m, nb, g))
+        res["s_row"] = _buffer(out, "s_row", (nbytes,), torch.uint8, x.device)
+    if cols:
+        res["q_col"] = _buffer(out, "q_col", (k, m), torch.float8_e4m3fn, x.device)
+        nbytes = (F.packed_scale_bytes(k, F.ceil_div(m, F.BLOCK_SIZE)) if offs is None
+                  else F.grouped_k_scale_bytes(k, m, g))
+        res["s_col"] = _buffer(out, "s_col", (nbytes,), torch.uint8, x.device)
     return res
 
 
-def _activation_quant(op, x, rounding, offs, rows, cols, out):
-    _check_input(x, 2)
+def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out):
     m, k = x.shape
     n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m)
     bufs = _alloc_outputs(x, offs, rows, cols, out)
     config = QuantConfig(
-        dtype=_dtype_name(x), rounding=rounding, k=k, rows=rows, cols=cols,
+        dtype=DTYPE_NAMES[x.dtype], rounding=rounding, k=k, rows=rows, cols=cols,
         grouping="offs" if offs is not None else "none",
-        col_aligned=cols and offs is None and m % VEC_BYTES == 0,
+        col_aligned=cols and offs is None and m % VEC_BYTES == 0, act_block=act_block,
     )
     _launch(op, config, x, bufs.get("q_row"), bufs.get("s_row"), bufs.get("q_col"),
             bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles)
     res = []
     if rows:
-        res.append(MXFP8Tensor(bufs["q_row"], bufs["s_row"], "packed", offs,
-                               "rows" if offs is not None else None))
+        res.append((bufs["q_row"], bufs["s_row"]))
     if cols:
-        res.append(MXFP8Tensor(bufs["q_col"], bufs["s_col"], "packed", offs,
-                               "k" if offs is not None else None))
+        res.append((bufs["q_col"], bufs["s_col"]))
     return res
 
 
 def quantize_rowwise(x: torch.Tensor, *, rounding: str = "rceil",
-                     offs: torch.Tensor | None = None, out: dict | None = None) -> MXFP8Tensor:
-    """``x (M, K)`` -> MXFP8 ``(M, K)``, packed scales (row groups from device ``offs``)."""
-    return _activation_quant("quantize_rowwise", x, rounding, offs, True, False, out)[0]
+                     offs: torch.Tensor | None = None, act_block: int = F.BLOCK_SIZE,
+                     out: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (M, K)`` -> (e4m3 ``(M, K)``, packed scales); row groups from device ``offs``;
+    ``act_block`` 32 or 128 elements per scale along K."""
+    return _activation_quant("quantize_rowwise", x, rounding, offs, act_block, True, False,
+                             out)[0]
 
 
 def quantize_colwise(x: torch.Tensor, *, rounding: str = "rceil",
-                     offs: torch.Tensor | None = None, out: dict | None = None) -> MXFP8Tensor:
-    """``x (M, K)`` -> MXFP8 of ``x.T`` ``(K, M)``; with ``offs``, per-group blocks ("k")."""
-    return _activation_quant("quantize_colwise", x, rounding, offs, False, True, out)[0]
+                     offs: torch.Tensor | None = None, act_block: int = F.BLOCK_SIZE,
+                     out: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (M, K)`` -> (e4m3 ``x.T (K, M)``, packed scales); with ``offs``, blocks restart at
+    each group start (the "k" layout)."""
+    return _activation_quant("quantize_colwise", x, rounding, offs, act_block, False, True,
+                             out)[0]
 
 
 def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
-                  offs: torch.Tensor | None = None, out: dict | None = None):
-    """One read of ``x``: (rowwise ``(M, K)``, columnwise ``(K, M)``)."""
-    row, col = _activation_quant("quantize_dual", x, rounding, offs, True, True, out)
+                  offs: torch.Tensor | None = None, act_block: int = F.BLOCK_SIZE,
+                  out: dict | None = None):
+    """One read of ``x``: ((rowwise data, scales), (columnwise data, scales))."""
+    row, col = _activation_quant("quantize_dual", x, rounding, offs, act_block, True, True, out)
     return row, col
 
 
 def quantize_weights(w: torch.Tensor, *, axis: str = "K", rounding: str = "rceil",
-                     block_rows: int = 1, out: dict | None = None) -> MXFP8Tensor:
-    """Expert weights ``(E, N, K)`` -> MXFP8 ``(E, N, K)`` (axis K) or ``(E, K, N)`` (axis N)."""
-    _check_input(w, 3)
+                     block_rows: int = 1, out: dict | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights ``(E, N, K)`` -> (e4m3 ``(E, N, K)`` (axis K) or ``(E, K, N)`` (axis N),
+    packed scales, one matrix per expert); ``block_rows`` 1, 32 or 128 (scale tiles)."""
     e, n, k = w.shape
     rows = axis == "K"
-    tiles_per_expert = L.ceil_div(n, L.TILE_ROWS)
+    tiles_per_expert = F.ceil_div(n, F.TILE_ROWS)
     if rows:
-        shape, nbytes = (e, n, k), e * L.expert_scale_stride(n, k // L.BLOCK_SIZE)
+        shape, nbytes = (e, n, k), e * F.expert_scale_stride(n, k // F.BLOCK_SIZE)
     else:
-        shape, nbytes = (e, k, n), e * L.expert_scale_stride(k, n // L.BLOCK_SIZE)
-    q = None if out is None else out.get("q")
-    s = None if out is None else out.get("s")
-    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=w.device) if q is None else q
-    s = torch.empty(nbytes, dtype=torch.uint8, device=w.device) if s is None else s
-    if tuple(q.shape) != shape or s.numel() != nbytes:
-        raise ValueError(f"out buffers must be {shape} e4m3 and {nbytes} uint8")
+        shape, nbytes = (e, k, n), e * F.expert_scale_stride(k, n // F.BLOCK_SIZE)
+    q = _buffer(out, "q", shape, torch.float8_e4m3fn, w.device)
+    s = _buffer(out, "s", (nbytes,), torch.uint8, w.device)
     config = QuantConfig(
-        dtype=_dtype_name(w), rounding=rounding, k=k, rows=rows, cols=not rows,
+        dtype=DTYPE_NAMES[w.dtype], rounding=rounding, k=k, rows=rows, cols=not rows,
         grouping="uniform", group_rows=n, col_layout="experts", block_rows=block_rows,
         col_aligned=n % VEC_BYTES == 0,
     )
@@ -868,4 +813,4 @@ def quantize_weights(w: torch.Tensor, *, axis: str = "K", rounding: str = "rceil
     _launch("quantize_weights", config, x2, q if rows else None, s if rows else None,
             None if rows else q, None if rows else s, None, None, e * n, e, 0,
             e * tiles_per_expert)
-    return MXFP8Tensor(q, s, "packed", None, "experts", block_rows)
+    return q, s

@@ -1,7 +1,10 @@
 """Public MXFP8 quantizers: argument checks, then the reference or a kernel per ``backend``.
 
-All return `MXFP8Tensor`. Kernels write packed scales directly; ``scale_layout="dense"`` on a
-kernel backend unpacks them afterwards (an inspection path, not a hot one).
+All return `MXFP8Tensor`. The kernels (`kernels/quantize.py`, the same SIMT source for the
+sm90 and sm100 backends) take checked, contiguous inputs and return plain ``(data, packed
+scales)`` tensors, which this module wraps; ``scale_layout="dense"`` on a kernel backend unpacks
+the scales afterwards (an inspection path, not a hot one). Every ``scale_blocks`` recipe runs on
+the kernels: 1x32 or 1x128 activation blocks, 1x32, 32x32 or 128x128 weight scale tiles.
 
 Every backend accepts the same inputs and returns the same bytes (the domain table in
 ``docs/numerics.md``): a non-contiguous or not 16-byte aligned input is copied before a kernel
@@ -17,6 +20,7 @@ from . import checks as C
 from . import layout as L
 from . import reference as R
 from .backend import resolve_backend
+from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 from .mx_tensor import MXFP8Tensor
 
 
@@ -64,22 +68,33 @@ def _colwise_ref(x: torch.Tensor, rounding: str, scale_layout: str, offs,
     return MXFP8Tensor(data, scale, scale_layout, offs, "k")
 
 
-def _kernel(op: str, backend: str):
-    from .kernels import lookup  # noqa: PLC0415  (CuTeDSL is imported only when a kernel runs)
+def _kernel_module():
+    """The quantizer kernels, `kernels/quantize.py` (one SIMT source for the sm90 and sm100
+    backends). Imported here, on first use, so that CuTeDSL loads only when a kernel runs."""
+    from .kernels import quantize as kernel_quantize  # noqa: PLC0415
 
-    return lookup(op, backend)
+    return kernel_quantize
 
 
 def _to_dense(t: MXFP8Tensor) -> MXFP8Tensor:
     return MXFP8Tensor(t.data, t.dense_scales(), "dense", t.offs, t.group_axis, t.block_rows)
 
 
-def _act_128(scale_blocks) -> bool:
-    """Whether the recipe ``scale_blocks`` (`reference.SCALE_BLOCKS`) uses 1x128 activation
-    blocks. Those have no quantizer kernel yet: the reference runs on the tensor's device."""
-    if not isinstance(scale_blocks, str) or scale_blocks not in R.SCALE_BLOCKS:
-        raise ValueError(f"scale_blocks must be one of {R.SCALE_BLOCKS}, got {scale_blocks!r}")
-    return R.ACT_BLOCK[scale_blocks] == R.BLOCK_128
+def _act_block(scale_blocks) -> int:
+    """Elements per activation scale block of the recipe ``scale_blocks``: 32 or 128."""
+    if not isinstance(scale_blocks, str) or scale_blocks not in ACT_BLOCK:
+        raise ValueError(f"scale_blocks must be one of {SCALE_BLOCKS}, got {scale_blocks!r}")
+    return ACT_BLOCK[scale_blocks]
+
+
+def _row_tensor(data_scale, offs) -> MXFP8Tensor:
+    """A rowwise kernel result ``(data, packed scales)`` as an `MXFP8Tensor`."""
+    return MXFP8Tensor(*data_scale, "packed", offs, "rows" if offs is not None else None)
+
+
+def _col_tensor(data_scale, offs) -> MXFP8Tensor:
+    """A columnwise kernel result (``x.T`` data, packed scales) as an `MXFP8Tensor`."""
+    return MXFP8Tensor(*data_scale, "packed", offs, "k" if offs is not None else None)
 
 
 def quantize_rowwise(
@@ -94,11 +109,12 @@ def quantize_rowwise(
     """
     _check_common("quantize_rowwise", "x", x, 2, rounding, scale_layout, offs)
     C.check_multiple_of("x", x.shape[1], L.BLOCK_SIZE, "the last dim (K)")
-    be = resolve_backend(backend, x.device)
-    if be == "reference" or _act_128(scale_blocks):
+    block = _act_block(scale_blocks)
+    if resolve_backend(backend, x.device) == "reference":
         return R.quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks)
-    out = _kernel("quantize_rowwise", be)(_kernel_input(x), rounding=rounding,
-                                          offs=_kernel_offs(offs))
+    offs = _kernel_offs(offs)
+    out = _row_tensor(_kernel_module().quantize_rowwise(
+        _kernel_input(x), rounding=rounding, offs=offs, act_block=block), offs)
     return out if scale_layout == "packed" else _to_dense(out)
 
 
@@ -114,11 +130,12 @@ def quantize_colwise(
     virtually zero-padded; scales packed per group (the 2D x 2D grouped convention).
     """
     _check_common("quantize_colwise", "x", x, 2, rounding, scale_layout, offs)
-    be = resolve_backend(backend, x.device)
-    if be == "reference" or _act_128(scale_blocks):  # 1x128: blocks restart per group too
+    block = _act_block(scale_blocks)
+    if resolve_backend(backend, x.device) == "reference":
         return _colwise_ref(x, rounding, scale_layout, offs, scale_blocks)
-    out = _kernel("quantize_colwise", be)(_kernel_input(x), rounding=rounding,
-                                          offs=_kernel_offs(offs))
+    offs = _kernel_offs(offs)
+    out = _col_tensor(_kernel_module().quantize_colwise(
+        _kernel_input(x), rounding=rounding, offs=offs, act_block=block), offs)
     return out if scale_layout == "packed" else _to_dense(out)
 
 
@@ -129,12 +146,14 @@ def quantize_dual(
     """Both orientations of ``x (M, K)`` from one read: (rowwise ``(M, K)``, colwise ``(K, M)``)."""
     _check_common("quantize_dual", "x", x, 2, rounding, scale_layout, offs)
     C.check_multiple_of("x", x.shape[1], L.BLOCK_SIZE, "the last dim (K)")
-    be = resolve_backend(backend, x.device)
-    if be == "reference" or _act_128(scale_blocks):
+    block = _act_block(scale_blocks)
+    if resolve_backend(backend, x.device) == "reference":
         return (R.quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks),
                 _colwise_ref(x, rounding, scale_layout, offs, scale_blocks))
-    row, col = _kernel("quantize_dual", be)(_kernel_input(x), rounding=rounding,
-                                            offs=_kernel_offs(offs))
+    offs = _kernel_offs(offs)
+    row, col = _kernel_module().quantize_dual(_kernel_input(x), rounding=rounding, offs=offs,
+                                              act_block=block)
+    row, col = _row_tensor(row, offs), _col_tensor(col, offs)
     if scale_layout == "dense":
         return _to_dense(row), _to_dense(col)
     return row, col
@@ -152,8 +171,7 @@ def quantize_weights(
     ``axis="K"``: data ``(E, N, K)``, blocks along K (fprop operand). ``axis="N"``: data
     ``(E, K, N)``, blocks along N (dgrad operand). ``block_rows=32``: one scale per 32x32 tile
     (both orientations then share values), an option; the default is 1x32 blocks.
-    ``block_rows=128``: one scale per 128x128 tile (the "1x128" recipe's weights; reference
-    quantizer on every backend for now).
+    ``block_rows=128``: one scale per 128x128 tile (the "1x128" recipe's weights).
     """
     C.check_float_input("w", w, 3)
     C.check_extents("w", w, rows=w.shape[0] * w.shape[1])
@@ -162,15 +180,15 @@ def quantize_weights(
     C.check_scale_layout(scale_layout)
     if axis not in WEIGHT_AXES:
         raise ValueError(f"axis must be 'K' (fprop) or 'N' (dgrad), got {axis!r}")
-    if block_rows not in (1, 32, R.BLOCK_128):
+    if block_rows not in WEIGHT_BLOCK_ROWS.values():
         raise ValueError(f"block_rows must be 1 (1x32 blocks), 32 (32x32) or 128 (128x128), "
                          f"got {block_rows}")
     C.check_multiple_of("w", w.shape[-1 if axis == "K" else -2], L.BLOCK_SIZE, f"axis {axis}")
     if block_rows == 32:
         C.check_multiple_of("w", w.shape[-2 if axis == "K" else -1], 32, "the other axis (32x32)")
-    be = resolve_backend(backend, w.device)
-    if be == "reference" or block_rows == R.BLOCK_128:
+    if resolve_backend(backend, w.device) == "reference":
         return R.quantize_weights_ref(w, axis, rounding, scale_layout, block_rows)
-    out = _kernel("quantize_weights", be)(_kernel_input(w), axis=axis, rounding=rounding,
-                                          block_rows=block_rows)
+    data, scale = _kernel_module().quantize_weights(_kernel_input(w), axis=axis,
+                                                    rounding=rounding, block_rows=block_rows)
+    out = MXFP8Tensor(data, scale, "packed", None, "experts", block_rows)
     return out if scale_layout == "packed" else _to_dense(out)

@@ -1,8 +1,9 @@
-"""The 1x128 scale-block recipe (docs/numerics.md, "The 1x128 recipe"), on the CPU.
+"""The 1x128 scale-block recipe (docs/numerics.md, "The 1x128 recipe").
 
 * The quantizers, byte for byte against the scalar oracle: one RCEIL scale per 128 elements
   along the reduced axis (restarting at each group's first token for K groups), one per
-  128x128 weight tile, every 32-block carrying its 128-block's scale.
+  128x128 weight tile, every 32-block carrying its 128-block's scale; on the GPU, the kernels
+  against the CPU reference (every edge: tests/kernels/test_quantize_kernels.py).
 * Each 1x128 tensor *is* an MXFP8 tensor: its packed scales are the MXFP8 packing of the
   replicated dense scales, and the Blackwell (sm_100a) path takes it as it takes 1x32 operands
   (same kernel configuration; its block32 arithmetic equals the 1x128 arithmetic).
@@ -122,6 +123,30 @@ def test_weights_128x128_one_quantization_serves_both_axes(shape, gen):
     assert torch.equal(sn.long(), want_n)
     want = (w / R.e8m0_to_float32(sk).repeat_interleave(32, dim=2)).clamp(-448, 448)
     assert torch.equal(qk.data.view(torch.uint8), want.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[0, 1, 31, 33, 127, 129, 0, 300], [200, 0, 56], [0, 0, 0]])
+def test_gpu_1x128_kernels_match_the_cpu_reference(sizes, gen):
+    """The CuTeDSL quantizers of the recipe (``backend="auto"`` on the GPU) give the bytes of
+    the CPU reference on the same values: rows and K groups of any size, a K with a partial
+    128-block (352 = 2 x 128 + 3 x 32), 128x128 weight tiles cut by N and K."""
+    from moe_mxfp8 import quantize_dual
+
+    m = sum(sizes)
+    offs = _offs(sizes)
+    x = (torch.randn(m, 352, generator=gen) * torch.logspace(-3, 3, 352)).bfloat16()
+    got = quantize_dual(x.cuda(), offs=offs.cuda(), scale_blocks="1x128")
+    want = quantize_dual(x, offs=offs, backend="reference", scale_blocks="1x128")
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.scale.cpu(), w.scale)
+        assert torch.equal(g.data.cpu().view(torch.uint8), w.data.view(torch.uint8))
+    w = torch.randn(2, 200, 352, generator=gen) * torch.logspace(-3, 3, 352)
+    for axis, src in (("K", w), ("N", w[:, :192, :100])):
+        got = quantize_weights(src.cuda(), axis=axis, block_rows=128)
+        want = quantize_weights(src, axis=axis, block_rows=128, backend="reference")
+        assert torch.equal(got.scale.cpu(), want.scale), axis
+        assert torch.equal(got.data.cpu().view(torch.uint8), want.data.view(torch.uint8)), axis
 
 
 def test_bad_scale_blocks_is_one_line_error():
@@ -342,7 +367,10 @@ def test_moe_1x128_pads_groups_to_128():
     assert "scale_blocks='1x128'" in repr(layer)
     assert MXFP8MoE(64, 64, 4, 2, backend="reference").group_align_rows == 16
     counts = torch.tensor([5, 0, 130, 7])
-    rows, offs = layer._aligned_rows(counts, 142, 128)
+    from moe_mxfp8 import datapath as DP
+
+    ids = torch.repeat_interleave(torch.arange(4), counts).view(71, 2)
+    rows, _, offs = DP.route_layout(ids, counts, layer.group_align_rows)
     assert offs.tolist()[:3] == [128, 128, 384] and offs[-1] % 128 == 0
     assert rows.unique().numel() == 142 and int(rows.max()) < int(offs[-1])
     with pytest.raises(ValueError, match="not both"):

@@ -9,13 +9,17 @@ reference on the same data; outputs of the direct kernel calls are poisoned firs
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from moe_mxfp8.kernels.mx_format import ACT_BLOCK
 
 import moe_mxfp8.quantize as P
 from moe_mxfp8 import checks as C
 from moe_mxfp8 import layout as L
 from moe_mxfp8 import reference as R
+from moe_mxfp8.mx_tensor import MXFP8Tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -30,7 +34,12 @@ GROUP_SIZES = [[0, 5, 130, 0, 33, 1], [0, 0, 0], [19]]
 WEIGHT_CASES = [((2, 40, 64), "K", 1), ((2, 64, 19), "N", 1), ((2, 64, 40), "N", 1),
                 ((3, 64, 96), "N", 32), ((0, 32, 64), "K", 1), ((0, 32, 64), "N", 32),
                 ((2, 0, 64), "K", 1), ((2, 0, 64), "N", 1), ((2, 32, 0), "K", 1),
-                ((2, 32, 0), "N", 1)]
+                ((2, 32, 0), "N", 1),
+                # 128x128 tiles (the 1x128 recipe): the non-reduced extent any, partial tiles
+                ((2, 40, 64), "K", 128), ((2, 64, 19), "N", 128), ((1, 160, 352), "K", 128),
+                ((0, 32, 64), "N", 128), ((2, 0, 64), "K", 128), ((2, 32, 0), "N", 128)]
+# scale_blocks recipes whose activation blocks differ (32x32 only changes the weights)
+RECIPES = ("1x32", "1x128")
 
 
 def _x(shape, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -170,29 +179,36 @@ def test_extent_limit_is_checked_on_every_backend():
 
 @pytest.fixture
 def stand_in_kernels(monkeypatch):
-    """backend "auto" resolves to "sm90"; the "kernel" checks what the real one requires
-    (contiguous, 16-byte aligned, no autograd) and computes with the reference."""
+    """backend "auto" resolves to "sm90"; the "kernels" check what the real ones require
+    (contiguous, 16-byte aligned, no autograd) and return the reference's (data, scale)."""
     seen = []
 
-    def lookup(op, backend):
+    def stand_in(op):
         def kernel(x, **kw):
             assert x.is_contiguous() and x.data_ptr() % C.KERNEL_INPUT_ALIGN == 0
             assert kw.get("offs") is None or kw["offs"].is_contiguous()
             assert not x.requires_grad or not torch.is_grad_enabled()
             seen.append((op, tuple(x.shape)))
             if op == "quantize_weights":
-                return R.quantize_weights_ref(x, kw["axis"], kw["rounding"],
-                                              block_rows=kw["block_rows"])
+                t = R.quantize_weights_ref(x, kw["axis"], kw["rounding"],
+                                           block_rows=kw["block_rows"])
+                return t.data, t.scale
+            sb = {32: "1x32", 128: "1x128"}[kw["act_block"]]
+            if op == "quantize_dual":
+                return tuple((t.data, t.scale) for t in R.quantize_dual_ref(
+                    x, kw["rounding"], "packed", kw["offs"], sb))
             fn = {"quantize_rowwise": R.quantize_rowwise_ref,
-                  "quantize_colwise": P._colwise_ref,
-                  "quantize_dual": R.quantize_dual_ref}[op]
-            return fn(x, kw["rounding"], "packed", kw["offs"])
+                  "quantize_colwise": P._colwise_ref}[op]
+            t = fn(x, kw["rounding"], "packed", kw["offs"], sb)
+            return t.data, t.scale
 
         return kernel
 
+    ops = ("quantize_rowwise", "quantize_colwise", "quantize_dual", "quantize_weights")
+    kernels = SimpleNamespace(**{op: stand_in(op) for op in ops})
     monkeypatch.setattr(P, "resolve_backend",
                         lambda backend, device: "reference" if backend == "reference" else "sm90")
-    monkeypatch.setattr(P, "_kernel", lookup)
+    monkeypatch.setattr(P, "_kernel_module", lambda: kernels)
     return seen
 
 
@@ -206,6 +222,25 @@ def test_kernel_path_copies_strided_and_misaligned_inputs(stand_in_kernels):
     assert_same(P.quantize_weights(wt, axis="N"),
                 P.quantize_weights(w, axis="N", backend="reference"), "weights")
     assert len(stand_in_kernels) == 3
+
+
+def test_kernel_path_serves_the_1x128_recipe(stand_in_kernels):
+    """scale_blocks="1x128" and block_rows=128 reach the kernels (no reference detour)."""
+    x = _x((200, 352))
+    offs = _offs([0, 130, 70])
+    for fn in (P.quantize_rowwise, P.quantize_colwise, P.quantize_dual):
+        got = fn(x, offs=offs, scale_blocks="1x128")
+        want = fn(x, offs=offs, scale_blocks="1x128", backend="reference")
+        for g, w in zip(got if isinstance(got, tuple) else (got,),
+                        want if isinstance(want, tuple) else (want,), strict=True):
+            assert_same(g, w, fn.__name__)
+    w = _x((2, 160, 64))
+    for axis in ("K", "N"):
+        assert_same(P.quantize_weights(w, axis=axis, block_rows=128),
+                    P.quantize_weights(w, axis=axis, block_rows=128, backend="reference"), axis)
+    assert [op for op, _ in stand_in_kernels] == [
+        "quantize_rowwise", "quantize_colwise", "quantize_dual", "quantize_weights",
+        "quantize_weights"]
 
 
 def test_kernel_path_strided_offs(stand_in_kernels):
@@ -275,51 +310,58 @@ def test_autograd_functions_still_quantize_their_inputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k", COLWISE_SHAPES)
-def test_gpu_colwise_any_extent(m, k, dtype):
+def test_gpu_colwise_any_extent(m, k, dtype, recipe):
     from moe_mxfp8.kernels import quantize as Q
 
     x = _x((m, k), dtype, "cuda", seed=m * 31 + k)
-    want = R.quantize_colwise_ref(x)
-    assert_same(P.quantize_colwise(x), want, f"colwise {(m, k)}")
+    want = R.quantize_colwise_ref(x, scale_blocks=recipe)
+    assert_same(P.quantize_colwise(x, scale_blocks=recipe), want, f"colwise {(m, k)}")
     nbytes = L.packed_scale_bytes(k, L.ceil_div(m, 32))
     out = {"q_col": torch.full((k, m), 0xAB, dtype=torch.uint8, device="cuda")
            .view(torch.float8_e4m3fn),
            "s_col": torch.full((nbytes,), 0xAB, dtype=torch.uint8, device="cuda")}
-    assert_same(Q.quantize_colwise(x, rounding="rceil", out=out), want, "poisoned")
+    got = Q.quantize_colwise(x, rounding="rceil", act_block=ACT_BLOCK[recipe], out=out)
+    assert_same(MXFP8Tensor(*got, "packed"), want, "poisoned")
     if dtype == torch.float32:
-        assert_same(P.quantize_colwise(x, rounding="floor"),
-                    R.quantize_colwise_ref(x, "floor"), "floor")
+        assert_same(P.quantize_colwise(x, rounding="floor", scale_blocks=recipe),
+                    R.quantize_colwise_ref(x, "floor", scale_blocks=recipe), "floor")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("m,k", ROWWISE_SHAPES)
-def test_gpu_rowwise_dual_edges(m, k):
+def test_gpu_rowwise_dual_edges(m, k, recipe):
     x = _x((m, k), torch.bfloat16, "cuda", seed=m + k)
-    assert_same(P.quantize_rowwise(x), R.quantize_rowwise_ref(x), "rowwise")
-    row, col = P.quantize_dual(x)
-    assert_same(row, R.quantize_rowwise_ref(x), "dual/row")
-    assert_same(col, R.quantize_colwise_ref(x), "dual/col")
+    want_row = R.quantize_rowwise_ref(x, scale_blocks=recipe)
+    assert_same(P.quantize_rowwise(x, scale_blocks=recipe), want_row, "rowwise")
+    row, col = P.quantize_dual(x, scale_blocks=recipe)
+    assert_same(row, want_row, "dual/row")
+    assert_same(col, R.quantize_colwise_ref(x, scale_blocks=recipe), "dual/col")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("sizes", GROUP_SIZES)
 @pytest.mark.parametrize("k", [0, 19, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_grouped_edges(sizes, k, dtype):
+def test_gpu_grouped_edges(sizes, k, dtype, recipe):
     m = sum(sizes)
     offs = _offs(sizes, "cuda")
     x = _x((m, k), dtype, "cuda", seed=m + k)
-    assert_same(P.quantize_colwise(x, offs=offs),
-                P.quantize_colwise(x, offs=offs, backend="reference"), "colwise/offs")
-    assert_same(P.quantize_colwise(x, offs=offs, scale_layout="dense"),
-                P.quantize_colwise(x, offs=offs, scale_layout="dense", backend="reference"),
+    sb = {"scale_blocks": recipe}
+    assert_same(P.quantize_colwise(x, offs=offs, **sb),
+                P.quantize_colwise(x, offs=offs, backend="reference", **sb), "colwise/offs")
+    assert_same(P.quantize_colwise(x, offs=offs, scale_layout="dense", **sb),
+                P.quantize_colwise(x, offs=offs, scale_layout="dense", backend="reference", **sb),
                 "colwise/offs/dense")
     if k % 32 == 0:
-        row, col = P.quantize_dual(x, offs=offs)
-        assert_same(row, R.quantize_rowwise_ref(x, offs=offs), "dual/row/offs")
-        assert_same(col, P.quantize_colwise(x, offs=offs, backend="reference"), "dual/col/offs")
+        row, col = P.quantize_dual(x, offs=offs, **sb)
+        assert_same(row, R.quantize_rowwise_ref(x, offs=offs, **sb), "dual/row/offs")
+        assert_same(col, P.quantize_colwise(x, offs=offs, backend="reference", **sb),
+                    "dual/col/offs")
 
 
 @pytest.mark.gpu

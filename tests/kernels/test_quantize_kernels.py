@@ -20,6 +20,7 @@ import torch
 
 from moe_mxfp8 import layout as L
 from moe_mxfp8 import reference as R
+from moe_mxfp8.mx_tensor import MXFP8Tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 POISON = 0xAB
@@ -52,14 +53,25 @@ COMPILE_SCRIPT = textwrap.dedent(
             ("quantize_dual", C(dt, rnd, 2048, True, True, col_aligned=True)),
             ("quantize_dual", C(dt, rnd, 160, True, True)),
             ("quantize_dual", C(dt, rnd, 4096, True, True, grouping="offs")),
+            # the 1x128 recipe: 128-element blocks along K (rows) and along tokens (columns)
+            ("quantize_rowwise", C(dt, rnd, 7168, True, False, act_block=128)),
+            ("quantize_rowwise", C(dt, rnd, 2080, True, False, grouping="offs", act_block=128)),
+            ("quantize_colwise", C(dt, rnd, 2048, False, True, col_aligned=True, act_block=128)),
+            ("quantize_colwise", C(dt, rnd, 100, False, True, grouping="offs", act_block=128)),
+            ("quantize_dual", C(dt, rnd, 160, True, True, act_block=128)),
+            ("quantize_dual", C(dt, rnd, 4096, True, True, grouping="offs", act_block=128)),
         ]
-        for axis_rows, br in itertools.product((True, False), (1, 32)):
+        for axis_rows, br in itertools.product((True, False), (1, 32, 128)):
             variants.append(("quantize_weights", C(
                 dt, rnd, 2048, axis_rows, not axis_rows, grouping="uniform", group_rows=1536,
                 col_layout="experts", block_rows=br, col_aligned=True)))
-        variants.append(("quantize_weights", C(  # axis N with K = 19 (the non-reduced extent)
-            dt, rnd, 19, False, True, grouping="uniform", group_rows=64, col_layout="experts",
-            col_aligned=True)))
+        for br in (1, 128):  # axis N with K = 19 (the non-reduced extent)
+            variants.append(("quantize_weights", C(
+                dt, rnd, 19, False, True, grouping="uniform", group_rows=64,
+                col_layout="experts", block_rows=br, col_aligned=True)))
+        variants.append(("quantize_weights", C(  # 128x128 tiles along K, N = 100 (partial)
+            dt, rnd, 96, True, False, grouping="uniform", group_rows=100, col_layout="experts",
+            block_rows=128)))
         for op, cfg in variants:
             Q.compile_quantizer(op, cfg)
             n += 1
@@ -75,7 +87,7 @@ def test_compile_all_variants(arch):
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled 90" in res.stdout
+    assert "compiled 150" in res.stdout
 
 
 SASS_SCRIPT = textwrap.dedent(
@@ -84,47 +96,83 @@ SASS_SCRIPT = textwrap.dedent(
     from moe_mxfp8.kernels import quantize as Q
     C = Q.QuantConfig
     out = sys.argv[1]
-    for name, cfg in [("odd_k", C("bfloat16", "rceil", 19, False, True)),
-                      ("vec_k", C("bfloat16", "rceil", 96, False, True))]:
-        Q.compile_quantizer("quantize_colwise", cfg)
+    for name, op, cfg in [
+        ("odd_k", "quantize_colwise", C("bfloat16", "rceil", 19, False, True)),
+        ("vec_k", "quantize_colwise", C("bfloat16", "rceil", 96, False, True)),
+        ("row32", "quantize_rowwise", C("bfloat16", "rceil", 7168, True, False)),
+        ("row128", "quantize_rowwise", C("bfloat16", "rceil", 7168, True, False, act_block=128)),
+        ("col32", "quantize_colwise", C("bfloat16", "rceil", 2048, False, True,
+                                        grouping="offs")),
+        ("col128", "quantize_colwise", C("bfloat16", "rceil", 2048, False, True,
+                                         grouping="offs", act_block=128)),
+    ]:
+        Q.compile_quantizer(op, cfg)
         os.makedirs(os.path.join(out, name))
         for f in glob.glob(os.path.join(out, "*.cubin")):
             shutil.move(f, os.path.join(out, name))
     """
 )
+SASS_NAMES = ("odd_k", "vec_k", "row32", "row128", "col32", "col128")
 
 
-def test_element_loads_only_where_rows_are_unaligned(tmp_path):
-    """A columnwise K = 19 (rows 38 bytes apart) loads 16-bit elements; K = 96 keeps the 16-byte
-    vector loads. The vector count per thread is the same (8), so 64 element loads."""
+def _nvdisasm():
+    import glob
     import shutil
 
-    nvdisasm = shutil.which("nvdisasm")
-    if nvdisasm is None:
-        import glob
-
+    exe = shutil.which("nvdisasm")
+    if exe is None:
         try:
             import nvidia
         except ImportError:
-            pytest.skip("nvdisasm not found")
+            return None
         hits = [h for r in nvidia.__path__ for h in glob.glob(f"{r}/*/bin/nvdisasm")]
-        if not hits:
-            pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-        nvdisasm = hits[0]
+        exe = hits[0] if hits else None
+    return exe
+
+
+@pytest.fixture(scope="module")
+def sass(tmp_path_factory):
+    """SASS (sm_90a) of a few quantizer variants, by name."""
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    tmp_path = tmp_path_factory.mktemp("quant_sass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path),
                CUTE_DSL_KEEP="cubin")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", SASS_SCRIPT, str(tmp_path)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
-    sass = {}
-    for name in ("odd_k", "vec_k"):
+    out = {}
+    for name in SASS_NAMES:
         (cubin,) = (tmp_path / name).glob("*.cubin")
-        sass[name] = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True,
-                                    text=True, check=True).stdout
+        out[name] = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True,
+                                   text=True, check=True).stdout
+    return out
+
+
+def test_element_loads_only_where_rows_are_unaligned(sass):
+    """A columnwise K = 19 (rows 38 bytes apart) loads 16-bit elements; K = 96 keeps the 16-byte
+    vector loads. The vector count per thread is the same (8), so 64 element loads."""
     vec = re.compile(r"LDG\.E(\.NA)?\.128")
     assert sass["odd_k"].count("LDG.E.U16") == 64 and not vec.search(sass["odd_k"])
     assert "LDG.E.U16" not in sass["vec_k"] and len(vec.findall(sass["vec_k"])) == 8
+
+
+def test_1x128_instruction_mix(sass):
+    """1x128 rowwise (bf16): the row amax's butterfly spans 16 lanes instead of 4 (4 steps
+    instead of 2 for each of the 8 vectors), and one 32-bit store writes a row's four scale
+    bytes instead of four byte stores; the same 32 E4M3 conversions. 1x128 columnwise: one more
+    CTA barrier (the four 32-token amaxes of a feature meet in shared memory)."""
+    def count(name, op):  # instructions with exactly this opcode (modifiers included)
+        return len(re.findall(rf"{re.escape(op)}(?=\s)", sass[name]))
+
+    assert count("row32", "SHFL.BFLY") == 16 and count("row128", "SHFL.BFLY") == 32
+    assert count("row32", "STG.E.U8") == 8 and count("row128", "STG.E.U8") == 0
+    assert count("row128", "STG.E") == 8
+    cvt = "F2FP.SATFINITE.E4M3"
+    assert sass["row32"].count(cvt) == sass["row128"].count(cvt) == 32
+    assert sass["col128"].count("BAR.SYNC") == sass["col32"].count("BAR.SYNC") + 1
 
 
 def test_can_implement_explains_refusals():
@@ -143,6 +191,37 @@ def test_can_implement_explains_refusals():
         col = Q.ColwiseQuantizer(Q.QuantConfig("bfloat16", "rceil", k, False, True))
         assert col.can_implement() is None and col.vec_loads == vec
     assert Q.ColwiseQuantizer(Q.QuantConfig("float32", "rceil", 100, False, True)).vec_loads
+    # the 1x128 recipe: activation blocks of 32 or 128; 128x128 tiles only for weights
+    bad = Q.RowwiseQuantizer(Q.QuantConfig("bfloat16", "rceil", 256, True, False, act_block=64))
+    assert "activation block 64" in bad.can_implement()
+    bad = Q.RowwiseQuantizer(Q.QuantConfig("bfloat16", "rceil", 256, True, False,
+                                           block_rows=128))
+    assert "expert weights" in bad.can_implement()
+    bad = Q.WeightQuantizer(Q.QuantConfig("bfloat16", "rceil", 256, True, False,
+                                          grouping="uniform", group_rows=64,
+                                          col_layout="experts", act_block=128))
+    assert "block_rows" in bad.can_implement()
+    # 128x128 tiles along K take any N (partial tiles); along N, any K
+    for rows, k, n in ((True, 96, 100), (False, 19, 64)):
+        ok = Q.WeightQuantizer(Q.QuantConfig("float32", "rceil", k, rows, not rows,
+                                             grouping="uniform", group_rows=n,
+                                             col_layout="experts", block_rows=128))
+        assert ok.can_implement() is None
+
+
+def test_kernel_modules_do_not_import_the_api():
+    """kernels/ sits below moe_mxfp8/: the quantizer kernels take their format facts from
+    kernels/mx_format.py, never from moe_mxfp8.* (no upward import, no cycle)."""
+    import ast
+
+    for name in ("quantize.py", "ptx.py", "mx_format.py"):
+        tree = ast.parse((ROOT / "kernels" / name).read_text())
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            level = getattr(node, "level", 0)
+            for mod in mods:
+                assert not mod.startswith("moe_mxfp8") and not (level > 1), (name, mod)
 
 
 def test_registered_for_both_archs():
@@ -258,6 +337,15 @@ def _kernels():
     return Q
 
 
+def _row(data_scale, offs=None) -> MXFP8Tensor:
+    """A rowwise kernel result as the API wraps it."""
+    return MXFP8Tensor(*data_scale, "packed", offs, "rows" if offs is not None else None)
+
+
+def _col(data_scale, offs=None) -> MXFP8Tensor:
+    return MXFP8Tensor(*data_scale, "packed", offs, "k" if offs is not None else None)
+
+
 def _row_out(m, k, offs, dev):
     nb = k // 32
     g = 1 if offs is None else offs.numel()
@@ -274,47 +362,61 @@ def _col_out(m, k, offs, dev):
             "s_col": _poisoned((nbytes,), torch.uint8, dev)}
 
 
+# scale_blocks recipe -> the kernels' activation block length (docs/numerics.md)
+RECIPES = {"1x32": 32, "1x128": 128}
+
+
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("kind", ["random", "adversarial"])
 @pytest.mark.parametrize("m,k", ACT_SHAPES)
-def test_activation_modes_bit_exact(dtype, rounding, kind, m, k):
+def test_activation_modes_bit_exact(dtype, rounding, kind, m, k, recipe):
     Q = _kernels()
+    blk = RECIPES[recipe]
     x = make_input(m, k, dtype, kind, seed=m * 7 + k)
+    want_row = R.quantize_rowwise_ref(x, rounding, scale_blocks=recipe)
+    want_col = R.quantize_colwise_ref(x, rounding, scale_blocks=recipe)
     out = _row_out(m, k, None, x.device)
-    got = Q.quantize_rowwise(x, rounding=rounding, out=out)
-    assert_bit_exact(got, R.quantize_rowwise_ref(x, rounding), "rowwise")
+    got = Q.quantize_rowwise(x, rounding=rounding, act_block=blk, out=out)
+    assert_bit_exact(_row(got), want_row, "rowwise")
     out = _col_out(m, k, None, x.device)
-    got = Q.quantize_colwise(x, rounding=rounding, out=out)
-    assert_bit_exact(got, R.quantize_colwise_ref(x, rounding), "colwise")
+    got = Q.quantize_colwise(x, rounding=rounding, act_block=blk, out=out)
+    assert_bit_exact(_col(got), want_col, "colwise")
     out = {**_row_out(m, k, None, x.device), **_col_out(m, k, None, x.device)}
-    row, col = Q.quantize_dual(x, rounding=rounding, out=out)
-    assert_bit_exact(row, R.quantize_rowwise_ref(x, rounding), "dual/row")
-    assert_bit_exact(col, R.quantize_colwise_ref(x, rounding), "dual/col")
+    row, col = Q.quantize_dual(x, rounding=rounding, act_block=blk, out=out)
+    assert_bit_exact(_row(row), want_row, "dual/row")
+    assert_bit_exact(_col(col), want_col, "dual/col")
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("sizes", GROUP_SIZES)
 @pytest.mark.parametrize("k", [64, 416])
-def test_grouped_bit_exact(dtype, rounding, sizes, k):
+def test_grouped_bit_exact(dtype, rounding, sizes, k, recipe):
     Q = _kernels()
+    blk = RECIPES[recipe]
     m = sum(sizes)
     offs = offs_from_sizes(sizes)
     for kind in ("random", "adversarial"):
         x = make_input(m, k, dtype, kind, seed=m + k + len(sizes))
-        got = Q.quantize_rowwise(x, rounding=rounding, offs=offs, out=_row_out(m, k, offs, "cuda"))
-        assert_bit_exact(got, R.quantize_rowwise_ref(x, rounding, offs=offs), "rowwise/offs")
-        got = Q.quantize_colwise(x, rounding=rounding, offs=offs, out=_col_out(m, k, offs, "cuda"))
-        assert_bit_exact(got, R.quantize_colwise_ref(x, rounding, offs=offs), "colwise/offs")
+        want_row = R.quantize_rowwise_ref(x, rounding, offs=offs, scale_blocks=recipe)
+        want_col = R.quantize_colwise_ref(x, rounding, offs=offs, scale_blocks=recipe)
+        got = Q.quantize_rowwise(x, rounding=rounding, offs=offs, act_block=blk,
+                                 out=_row_out(m, k, offs, "cuda"))
+        assert_bit_exact(_row(got, offs), want_row, "rowwise/offs")
+        got = Q.quantize_colwise(x, rounding=rounding, offs=offs, act_block=blk,
+                                 out=_col_out(m, k, offs, "cuda"))
+        assert_bit_exact(_col(got, offs), want_col, "colwise/offs")
         out = {**_row_out(m, k, offs, "cuda"), **_col_out(m, k, offs, "cuda")}
-        row, col = Q.quantize_dual(x, rounding=rounding, offs=offs, out=out)
-        assert_bit_exact(row, R.quantize_rowwise_ref(x, rounding, offs=offs), "dual/row/offs")
-        assert_bit_exact(col, R.quantize_colwise_ref(x, rounding, offs=offs), "dual/col/offs")
+        row, col = Q.quantize_dual(x, rounding=rounding, offs=offs, act_block=blk, out=out)
+        assert_bit_exact(_row(row, offs), want_row, "dual/row/offs")
+        assert_bit_exact(_col(col, offs), want_col, "dual/col/offs")
 
 
 @pytest.mark.gpu
@@ -323,7 +425,7 @@ def test_grouped_bit_exact(dtype, rounding, sizes, k):
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("e,n,k", [(1, 96, 64), (3, 160, 96), (128, 64, 32), (2, 256, 2080)])
 @pytest.mark.parametrize("axis", ["K", "N"])
-@pytest.mark.parametrize("block_rows", [1, 32])
+@pytest.mark.parametrize("block_rows", [1, 32, 128], ids=lambda b: f"br{b}")
 def test_weights_bit_exact(dtype, rounding, e, n, k, axis, block_rows):
     Q = _kernels()
     for kind in ("random", "adversarial"):
@@ -332,31 +434,48 @@ def test_weights_bit_exact(dtype, rounding, e, n, k, axis, block_rows):
         rows, nb = (n, k // 32) if axis == "K" else (k, n // 32)
         out = {"q": _poisoned(shape, torch.float8_e4m3fn, "cuda"),
                "s": _poisoned((e * L.expert_scale_stride(rows, nb),), torch.uint8, "cuda")}
-        got = Q.quantize_weights(w, axis=axis, rounding=rounding, block_rows=block_rows, out=out)
+        q, s = Q.quantize_weights(w, axis=axis, rounding=rounding, block_rows=block_rows, out=out)
+        got = MXFP8Tensor(q, s, "packed", None, "experts", block_rows)
         ref = R.quantize_weights_ref(w, axis, rounding, block_rows=block_rows)
         assert_bit_exact(got, ref, f"weights axis={axis} br={block_rows}")
 
 
 @pytest.mark.gpu
 @gpu
-def test_public_api_dispatch_and_no_sync():
+@pytest.mark.parametrize("e,n,k,axis", [(2, 100, 64, "K"), (3, 200, 352, "K"), (2, 96, 19, "N"),
+                                        (1, 352, 200, "N"), (0, 128, 64, "K"), (2, 0, 64, "N")])
+def test_weights_128x128_partial_tiles(e, n, k, axis):
+    """128x128 weight tiles where N or K ends inside a tile (the reduced axis % 32 == 0, the
+    other one any), through the public API."""
+    from moe_mxfp8 import quantize as P
+
+    for dtype in DTYPES:
+        w = make_input(e * n, k, dtype, "adversarial", seed=e + n + k).view(e, n, k)
+        got = P.quantize_weights(w, axis=axis, block_rows=128)
+        assert_bit_exact(got, R.quantize_weights_ref(w, axis, block_rows=128),
+                         f"{dtype} {axis}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_public_api_dispatch_and_no_sync(recipe):
     """moe_mxfp8.quantize reaches the kernels; the grouped path runs under CUDA-graph capture
     (which fails on any host synchronisation)."""
     from moe_mxfp8 import quantize as P
 
     x = make_input(300, 256, torch.bfloat16, "random")
     offs = offs_from_sizes([100, 0, 200])
-    row, col = P.quantize_dual(x, offs=offs)
-    assert_bit_exact(row, R.quantize_rowwise_ref(x, offs=offs), "api/row")
-    assert_bit_exact(col, R.quantize_colwise_ref(x, offs=offs), "api/col")
-    Q = _kernels()
+    row, col = P.quantize_dual(x, offs=offs, scale_blocks=recipe)
+    assert_bit_exact(row, R.quantize_rowwise_ref(x, offs=offs, scale_blocks=recipe), "api/row")
+    assert_bit_exact(col, R.quantize_colwise_ref(x, offs=offs, scale_blocks=recipe), "api/col")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        Q.quantize_dual(x, offs=offs)  # warm (compile) outside capture
+        P.quantize_dual(x, offs=offs, scale_blocks=recipe)  # warm (compile) outside capture
         with torch.cuda.graph(graph, stream=s):
-            r2, c2 = Q.quantize_dual(x, offs=offs)
+            r2, c2 = P.quantize_dual(x, offs=offs, scale_blocks=recipe)
     graph.replay()
     torch.cuda.synchronize()
     assert_bit_exact(r2, row, "graph/row")
@@ -380,6 +499,7 @@ def test_more_than_2_31_elements(m, k):
     x[-1] *= 2.0**20  # the last row and column differ in magnitude from the rest
     x[:, -1] *= 2.0**-20
     row, col = Q.quantize_dual(x)
+    row, col = _row(row), _col(col)
     u8 = torch.uint8
     step = 128 * max(1, 2**24 // (128 * k))  # rows per chunk, a multiple of the 128-row tile
     row_tile_bytes = 128 * L.round_up(k // 32, 4)
