@@ -15,8 +15,10 @@ by phase from the torch profiler's CUDA kernels, with the time outside the exper
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
+import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
@@ -62,12 +64,16 @@ def make_routing(shape: LayerShape, skew: float, gen: torch.Generator):
 
 
 def impose_routing(module: MXFP8MoE, ids: torch.Tensor, weights: torch.Tensor) -> None:
-    """Run the module's real router (its cost counts) but route by ``ids``/``weights``."""
-    orig = module._route
+    """Run the module's real router (its cost counts) but route by ``ids``/``weights``. The
+    override holds the module weakly: a bound method would make a module -> override -> module
+    cycle that outlives ``del`` until the cyclic collector runs (it kept a finished shape's
+    layers, gradients and saved router input alive into the next shape's memory numbers)."""
+    ref = weakref.ref(module)
+    route_of = type(module)._route
     e = module.num_experts
 
     def route(x):
-        w, _, _, aux = orig(x)
+        w, _, _, aux = route_of(ref(), x)
         counts = torch.zeros(e, dtype=torch.int64, device=x.device)
         counts = counts.scatter_add(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
         return weights + 0 * w, ids, counts, aux
@@ -131,70 +137,184 @@ def saved_bytes(module, x) -> int:
     return sum(seen.values())
 
 
+def _site(frames, depth: int = 4) -> str:
+    """The allocating Python lines of this project (innermost first, up to ``depth``), or the
+    innermost frame (``<...>``) where none is ours: C++ autograd nodes have no Python frame."""
+    ours = [f for f in frames if re.search(r"moe_mxfp8/|kernels/|benchmarks/", f["filename"])]
+    if not ours:
+        return f"<{frames[0]['name']}>" if frames else "<no python frame>"
+    return " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+                      for f in ours[:depth])
+
+
+def _live_at_peak(trace) -> tuple[int, dict[str, list[int]]]:
+    """Replay an allocator trace: (peak bytes above the trace's start, bytes and count of the
+    trace's own allocations alive at that peak, by allocation site)."""
+    cur = peak = 0
+    peak_i = -1
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            cur += ev["size"]
+        elif ev["action"] == "free_completed":
+            cur -= ev["size"]
+        if cur > peak:
+            peak, peak_i = cur, i
+    live: dict[int, dict] = {}
+    for ev in trace[: peak_i + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for ev in live.values():
+        site = sites[_site(ev.get("frames", []))]
+        site[0] += ev["size"]
+        site[1] += 1
+    return peak, dict(sites)
+
+
+def memory_profile(module, xs, dy, top: int = 12) -> dict:
+    """One forward+backward step after two warm ones: peak memory of the forward and of the
+    backward (``max_memory_allocated`` reset between them), what the forward leaves alive, and
+    what is alive at the step's peak by allocating line (``torch.cuda.memory`` history)."""
+    def fwd():
+        x = xs.next()
+        x.grad = None
+        module.zero_grad(set_to_none=True)  # as the timed step
+        return module(x)
+
+    for _ in range(2):
+        fwd().backward(dy)
+    torch.cuda.synchronize()
+    gib = 2**30
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    out = fwd()
+    torch.cuda.synchronize()
+    res = {"base_gib": base / gib, "fwd_peak_gib": torch.cuda.max_memory_allocated() / gib,
+           "after_fwd_gib": torch.cuda.memory_allocated() / gib}
+    torch.cuda.reset_peak_memory_stats()
+    out.backward(dy)
+    del out
+    torch.cuda.synchronize()
+    res["bwd_peak_gib"] = torch.cuda.max_memory_allocated() / gib
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, sites = _live_at_peak(snap["device_traces"][torch.cuda.current_device()])
+    res["trace_peak_gib"] = (base + peak) / gib
+    res["at_peak"] = sorted(([s, b / gib, n] for s, (b, n) in sites.items()),
+                            key=lambda r: -r[1])[:top]
+    return res
+
+
+def print_memory(shape: str, name: str, r: dict) -> None:
+    print(f"  memory {shape} {name}: base {r['base_gib']:.2f} | forward peak "
+          f"{r['fwd_peak_gib']:.2f}, alive after forward {r['after_fwd_gib']:.2f} | backward "
+          f"peak {r['bwd_peak_gib']:.2f} (trace {r['trace_peak_gib']:.2f}) GiB; alive at the "
+          f"step's peak, by allocating line:", flush=True)
+    for site, g, n in r["at_peak"]:
+        print(f"      {g:7.3f} GiB x{n:<3d} {site}")
+
+
+def fresh_memory(*modules) -> None:
+    """The same starting point for every peak-memory number: no parameter gradients and no
+    router graph (``aux_loss``) left by the other precision's or an earlier step, garbage
+    collected, peak counter reset. (Without it the second precision's peak included the first
+    one's weight gradients: +1.2 GiB at qwen3, +2.6 GiB at mixtral, against MXFP8.)"""
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+        m.aux_loss = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
 def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
+    """One shape and routing: the BF16 twin and the MXFP8 layer of each recipe in
+    ``args.scale_blocks`` (comma-separated; the twin measured once, the baseline of each row)."""
     gen = torch.Generator().manual_seed(0)
     ids, weights = make_routing(shape, skew, gen)
     bf16 = MXFP8MoE(shape.dim, shape.hidden, shape.num_experts, shape.top_k, precision="bf16",
                     device="cuda")
-    extra = {"scale_blocks": args.scale_blocks} if args.scale_blocks else {}
-    mx = MXFP8MoE(shape.dim, shape.hidden, shape.num_experts, shape.top_k, precision="mxfp8",
-                  backend=args.backend, device="cuda", save_colwise=bool(args.save_colwise),
-                  weight_blocks=args.weight_blocks, wgrad=args.wgrad, **extra)
-    mx.load_state_dict(bf16.state_dict())
-    for m in (bf16, mx):
+    models = {"bf16": bf16}
+    for recipe in args.scale_blocks.split(",") if args.scale_blocks else [None]:
+        extra = {"scale_blocks": recipe} if recipe else {}
+        mx = MXFP8MoE(shape.dim, shape.hidden, shape.num_experts, shape.top_k,
+                      precision="mxfp8", backend=args.backend, device="cuda",
+                      save_colwise=bool(args.save_colwise), weight_blocks=args.weight_blocks,
+                      wgrad=args.wgrad, **extra)
+        mx.load_state_dict(bf16.state_dict())
+        models[f"mxfp8 {mx.scale_blocks}"] = mx
+    for m in models.values():
         impose_routing(m, ids, weights)
     xs = Rotating([torch.randn(shape.tokens, shape.dim, device="cuda", dtype=torch.bfloat16)
                    .requires_grad_() for _ in range(2)])
     dy = torch.randn(shape.tokens, shape.dim, device="cuda", dtype=torch.bfloat16)
-    saved = {name: saved_bytes(m, xs.next()) / shape.tokens for name, m in (("bf16", bf16),
-                                                                            ("mxfp8", mx))}
+    saved = {name: saved_bytes(m, xs.next()) / shape.tokens for name, m in models.items()}
+    mem = {}
+    if args.memory:
+        for name, m in models.items():
+            fresh_memory(*models.values())
+            mem[name] = memory_profile(m, xs, dy)
+            print_memory(shape.name, name, mem[name])
     rows = []
     for backward in [p == "fwd+bwd" for p in args.passes.split(",")]:
         res = {}
-        for name, m in (("bf16", bf16), ("mxfp8", mx)):
+        for name, m in models.items():
             def step(m=m, backward=backward):
                 x = xs.next()
                 if backward:
-                    x.grad = None  # a training step does not accumulate activation grads
+                    # a training step: fresh gradients (optimizer.zero_grad(set_to_none=True)),
+                    # no accumulation into the last step's (an add per weight that is no part
+                    # of the layer's cost)
+                    x.grad = None
+                    m.zero_grad(set_to_none=True)
                     m(x).backward(dy)
                 else:
                     with torch.no_grad():
                         m(x)
 
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+            fresh_memory(*models.values())
             us = bench_us(step, warmup=2, reps=args.reps, rounds=3, use_graph=args.graphs)
             res[name] = (us, torch.cuda.max_memory_allocated() / 2**30)
             if backward and args.breakdown:
                 res[name + "_breakdown"] = phase_breakdown(step)
         flops = shape.gemm_flops(backward)
-        row = {
-            "shape": shape.name, "routing": "balanced" if skew == 0 else f"skew{skew:g}",
-            "weight_blocks": args.weight_blocks, "scale_blocks": args.scale_blocks or "1x32",
-            "wgrad": args.wgrad, "save_colwise": bool(args.save_colwise),
-            "pass": "fwd+bwd" if backward else "fwd", **asdict(shape),
-            "bf16_ms": res["bf16"][0] / 1e3, "mxfp8_ms": res["mxfp8"][0] / 1e3,
-            "bf16_tflops": flops / res["bf16"][0] / 1e6,
-            "mxfp8_tflops": flops / res["mxfp8"][0] / 1e6,
-            "speedup": res["bf16"][0] / res["mxfp8"][0],
-            "bf16_peak_gib": res["bf16"][1], "mxfp8_peak_gib": res["mxfp8"][1],
-            "bf16_saved_bytes_per_token": saved["bf16"],
-            "mxfp8_saved_bytes_per_token": saved["mxfp8"],
-        }
-        for name in ("bf16", "mxfp8"):
-            if name + "_breakdown" in res:
-                row[name + "_breakdown_ms"], row[name + "_top_kernels"] = res[name + "_breakdown"]
-        rows.append(row)
-        print(f"{row['shape']:>8} {row['routing']:>9} {row['pass']:>8} | bf16 "
-              f"{row['bf16_ms']:8.2f} ms {row['bf16_tflops']:6.0f} TF | mxfp8 "
-              f"{row['mxfp8_ms']:8.2f} ms {row['mxfp8_tflops']:6.0f} TF | "
-              f"x{row['speedup']:.2f} | peak "
-              f"{row['bf16_peak_gib']:.2f}/{row['mxfp8_peak_gib']:.2f} GiB | saved/token "
-              f"{saved['bf16']:.0f}/{saved['mxfp8']:.0f} B", flush=True)
-        for name in ("bf16", "mxfp8"):
-            for kname, ms in row.get(name + "_top_kernels", []):
-                print(f"    {name} {ms:8.3f} ms  {kname}")
-    del bf16, mx
+        for name, mx in models.items():
+            if name == "bf16":
+                continue
+            row = {
+                "shape": shape.name, "routing": "balanced" if skew == 0 else f"skew{skew:g}",
+                "weight_blocks": mx.weight_blocks, "scale_blocks": mx.scale_blocks,
+                "wgrad": args.wgrad, "save_colwise": bool(args.save_colwise),
+                "pass": "fwd+bwd" if backward else "fwd", **asdict(shape),
+                "bf16_ms": res["bf16"][0] / 1e3, "mxfp8_ms": res[name][0] / 1e3,
+                "bf16_tflops": flops / res["bf16"][0] / 1e6,
+                "mxfp8_tflops": flops / res[name][0] / 1e6,
+                "speedup": res["bf16"][0] / res[name][0],
+                "bf16_peak_gib": res["bf16"][1], "mxfp8_peak_gib": res[name][1],
+                "bf16_saved_bytes_per_token": saved["bf16"],
+                "mxfp8_saved_bytes_per_token": saved[name],
+            }
+            if mem and backward:
+                row["memory"] = {"bf16": mem["bf16"], "mxfp8": mem[name]}
+            for key, src in (("bf16", "bf16"), ("mxfp8", name)):
+                if src + "_breakdown" in res:
+                    row[key + "_breakdown_ms"], row[key + "_top_kernels"] = res[src + "_breakdown"]
+            rows.append(row)
+            print(f"{row['shape']:>8} {row['routing']:>9} {row['pass']:>8} {mx.scale_blocks:>5} | "
+                  f"bf16 {row['bf16_ms']:8.2f} ms {row['bf16_tflops']:6.0f} TF | mxfp8 "
+                  f"{row['mxfp8_ms']:8.2f} ms {row['mxfp8_tflops']:6.0f} TF | "
+                  f"x{row['speedup']:.2f} | peak "
+                  f"{row['bf16_peak_gib']:.2f}/{row['mxfp8_peak_gib']:.2f} GiB | saved/token "
+                  f"{saved['bf16']:.0f}/{saved[name]:.0f} B", flush=True)
+            for key in ("bf16", "mxfp8"):
+                for kname, ms in row.get(key + "_top_kernels", []):
+                    print(f"    {key} {ms:8.3f} ms  {kname}")
+    fresh_memory(*models.values())
+    del bf16, mx, models
+    gc.collect()
     torch.cuda.empty_cache()
     return rows
 
@@ -224,8 +344,9 @@ def main() -> None:
     ap.add_argument("--save-colwise", type=int, default=1, choices=(0, 1),
                     help="MXFP8MoE save_colwise (module default 1)")
     ap.add_argument("--weight-blocks", default="1x32", choices=("1x32", "32x32"))
-    ap.add_argument("--scale-blocks", default=None, choices=("1x32", "32x32", "1x128"),
-                    help="MXFP8MoE scale_blocks (default: the module's)")
+    ap.add_argument("--scale-blocks", default=None,
+                    help="MXFP8MoE scale_blocks, comma-separated for several layers against one "
+                         "BF16 twin (1x32, 32x32, 1x128; default: the module's)")
     ap.add_argument("--passes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both")
     ap.add_argument("--wgrad", default="mxfp8", choices=("mxfp8", "bf16"))
     # Eager by default: a whole layer step is 10-150 ms, so launch gaps matter little, and a
@@ -233,6 +354,8 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
+    ap.add_argument("--memory", action="store_true",
+                    help="per precision: forward / backward peaks and what is alive at the peak")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
@@ -242,10 +365,10 @@ def main() -> None:
     for name in args.shapes.split(","):
         for skew in map(float, args.skews.split(",")):
             rows += [{**r, **info} for r in run_shape(SHAPES[name], skew, args)]
-    print("\nshape    routing   pass     |  bf16 ms  mxfp8 ms | speedup")
+    print("\nshape    routing   pass     blocks |  bf16 ms  mxfp8 ms | speedup")
     for r in rows:
-        print(f"{r['shape']:8} {r['routing']:9} {r['pass']:8} | {r['bf16_ms']:8.2f} "
-              f"{r['mxfp8_ms']:8.2f} | {r['speedup']:.2f}")
+        print(f"{r['shape']:8} {r['routing']:9} {r['pass']:8} {r['scale_blocks']:6} | "
+              f"{r['bf16_ms']:8.2f} {r['mxfp8_ms']:8.2f} | {r['speedup']:.2f}")
         print(f"{'':28}peak GiB bf16 {r['bf16_peak_gib']:.2f} mxfp8 {r['mxfp8_peak_gib']:.2f}; "
               f"saved for backward B/token bf16 {r['bf16_saved_bytes_per_token']:.0f} mxfp8 "
               f"{r['mxfp8_saved_bytes_per_token']:.0f}")

@@ -4,20 +4,26 @@ fused with MXFP8 quantization, and their backward passes. Optional GPU dependenc
 Every kernel mirrors a pure-PyTorch reference in `moe_mxfp8.datapath` bit for bit (quantized
 bytes, scale bytes, BF16 roundings, sums in a fixed order); the GPU tests check it.
 
-Row-block grid: the expert-sorted, group-padded buffer of ``M`` rows is cut into blocks of 32
-rows that restart at every group start (the K-grouped blocks of the contract), described by a
-table built on the device (`moe_mxfp8.datapath.block_table`, one int32 row per block):
+Activation blocks. ``ABLK`` (a constexpr) is the scale-block length of the quantized copies:
+32 (MXFP8, the "1x32" and "32x32" recipes) or 128 (the "1x128" recipe, docs/numerics.md: one
+scale per 128 elements along the reduced axis, RCEIL over the 128 values, its byte written into
+each of the block's 32-blocks, so the copies stay valid MXFP8 tensors).
+
+Row-block grid: the expert-sorted, group-padded buffer of ``M`` rows is cut into blocks of
+``ABLK`` rows that restart at every group start (the K-grouped blocks of the contract),
+described by a table built on the device (`moe_mxfp8.datapath.block_table`, one int32 row per
+block):
 
     rs, re       rows [rs, re) of the block (re == rs: an unused block of the static bound)
     prow0        packed row of row r in the grouped-rows scale layout is prow0 + r
     tiles        T_g = sum_{h<g} ceil(m_h / 128): the group's K-grouped scale base / (Rp * 4)
-    lblk, nblk   the block's index inside its group and the group's block count
+    lblk, nblk   the block's index inside its group and the group's block count (ABLK blocks)
 
-One program owns a 32-row block x CB features, so it can write both quantized copies: rowwise
-(blocks of 32 along the features) and columnwise (the block's 32 rows of every feature,
-stored transposed) from one read of the BF16 values. Every row of ``[0, M)`` belongs to exactly
-one block, so every data byte is written (pad rows as zeros); scale buffers start zeroed (the
-layout's padding bytes), their real bytes are written here.
+One program owns an ABLK-row block x CB features (CB a multiple of ABLK), so it can write both
+quantized copies: rowwise (blocks of ABLK along the features) and columnwise (the block's rows of
+every feature, stored transposed) from one read of the BF16 values. Every row of ``[0, M)``
+belongs to exactly one block, so every data byte is written (pad rows as zeros); scale buffers
+start zeroed (the layout's padding bytes), their real bytes are written here.
 """
 
 from __future__ import annotations
@@ -28,16 +34,25 @@ import torch
 import triton
 import triton.language as tl
 
+from .mx_format import BLOCK_128, BLOCK_SIZE, GROUP_ALIGN_K
+
 try:  # libdevice's expf is what PyTorch's CUDA silu calls (bit-identical SwiGLU)
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - older Triton layouts
     from triton.language.extra.cuda import libdevice
 
-BLOCK = 32  # MXFP8 block (and rows per program)
+BLOCK = BLOCK_SIZE  # MXFP8 block: the scale layout's unit
 QBLK: tl.constexpr = tl.constexpr(BLOCK)  # the same, visible inside @triton.jit
+ACT_BLOCKS = (BLOCK_SIZE, BLOCK_128)  # activation block lengths (ABLK) the kernels take
 TBL_COLS = 6  # block-table columns (see the module doc)
-COL_TILE = 128  # features per program
+COL_TILE = 128  # features per program (a multiple of every ABLK)
 TOK_TILE = 16  # tokens per program in the per-token kernels
+# Warps per row-block program. 32 x 128 tiles: 4 (H100, dsv3 shape, 2026-11-23: 8 warps were
+# 38-65% slower per kernel). 128 x 128 tiles: 16 (ptxas: 8 warps spill in the SwiGLU backward).
+ROW_WARPS = {BLOCK_SIZE: 4, BLOCK_128: 16}
+# Group alignment the row kernels can be told of (the MXFP8 layer's: GROUP_ALIGN_K rows, the
+# wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
+ROW_ALIGN = GROUP_ALIGN_K
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -109,18 +124,22 @@ def _packed_offset(r, c, nb):
 
 @triton.jit
 def _quant_rows(x, rows, rmask, prow, cols, cmask, blk, bmask, q_ptr, s_ptr, ld, nb,
-                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
-    """Rowwise MXFP8 of the fp32 tile ``x (RB, CB)``: blocks of 32 along the features.
+                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr):
+    """Rowwise MXFP8 of the fp32 tile ``x (RB, CB)``: blocks of ABLK along the features (the
+    tile starts on a block), each block's byte written for each of its 32-blocks.
 
-    ``cols``: output columns (CB,), ``blk``: their block indices (CB // 32,) and ``bmask``
+    ``cols``: output columns (CB,), ``blk``: their 32-block indices (CB // 32,) and ``bmask``
     which of them hold real columns, ``prow``: packed scale row of each tile row, ``ld``:
-    output row stride, ``nb``: blocks per output row.
+    output row stride, ``nb``: 32-blocks per output row.
     """
-    x3 = tl.reshape(x, (RB, CB // QBLK, QBLK))
+    x3 = tl.reshape(x, (RB, CB // ABLK, ABLK))
     bits = x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     byte, inv = _scale_from_amax(tl.max(bits, axis=2))
     v = tl.minimum(tl.maximum(x3 * inv[:, :, None], -448.0), 448.0)
     q = tl.reshape(_e4m3_byte(v, INTERP), (RB, CB))
+    if ABLK != QBLK:  # one byte per 32-block: repeat each ABLK-block's byte
+        byte = tl.reshape(tl.broadcast_to(byte[:, :, None], (RB, CB // ABLK, ABLK // QBLK)),
+                          (RB, CB // QBLK))
     rows64 = rows.to(tl.int64)
     tl.store(q_ptr + rows64[:, None] * ld + cols[None, :], q,
              mask=rmask[:, None] & cmask[None, :])
@@ -129,50 +148,61 @@ def _quant_rows(x, rows, rmask, prow, cols, cmask, blk, bmask, q_ptr, s_ptr, ld,
 
 
 @triton.jit
-def _quant_cols(x, rows, rmask, feats, fmask, q_ptr, s_ptr, m, base, lblk, nblk, live,
-                INTERP: tl.constexpr):
-    """Columnwise MXFP8 of the fp32 tile ``x (RB, CB)``: one block of (up to) 32 rows per
-    feature, stored transposed at ``q[feat, row]`` (row stride ``m``); rows outside the block
-    must be zero in ``x``. Scales at ``base + packed(feat, lblk)`` of the group's matrix."""
+def _quant_cols(x, rows, rmask, feats, fmask, q_ptr, s_ptr, m, base, lblk, nblk, nrows,
+                INTERP: tl.constexpr, ABLK: tl.constexpr):
+    """Columnwise MXFP8 of the fp32 tile ``x (ABLK, CB)``: one block of the ``nrows`` (up to
+    ABLK) rows per feature, stored transposed at ``q[feat, row]`` (row stride ``m``); rows
+    outside the block must be zero in ``x``. The block's byte goes to each of its 32-blocks
+    that holds a row, at ``base + packed(feat, 32-block)`` of the group's matrix (``lblk``,
+    ``nblk``: the block's index and count in ABLK blocks)."""
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     byte, inv = _scale_from_amax(tl.max(bits, axis=0))
     v = tl.minimum(tl.maximum(x * inv[None, :], -448.0), 448.0)
     q = _e4m3_byte(v, INTERP)
     f64 = feats.to(tl.int64)
     tl.store(q_ptr + f64[None, :] * m + rows[:, None], q, mask=rmask[:, None] & fmask[None, :])
-    off = base + _packed_offset(f64, lblk, nblk)
-    tl.store(s_ptr + off, byte.to(tl.uint8), mask=fmask & live)
+    sub: tl.constexpr = ABLK // QBLK
+    for i in tl.static_range(sub):
+        off = base + _packed_offset(f64, lblk * sub + i, nblk * sub)
+        tl.store(s_ptr + off, byte.to(tl.uint8), mask=fmask & (nrows > QBLK * i))
 
 
 @triton.jit
-def _block(tbl_ptr, RB: tl.constexpr):
-    """Rows of this program's block and the block's layout constants (see the module doc)."""
+def _block(tbl_ptr, RB: tl.constexpr, RALIGN: tl.constexpr):
+    """Rows of this program's block and the block's layout constants (see the module doc).
+    ``RALIGN``: every group starts (and so every block starts and ends) on a multiple of it;
+    told to the compiler, it lets the columnwise copy's transposed rows go out as 16-byte
+    stores instead of single bytes."""
     j = tl.program_id(0).to(tl.int64) * 6
     rs = tl.load(tbl_ptr + j)
     re = tl.load(tbl_ptr + j + 1)
+    if RALIGN > 1:
+        rs = tl.multiple_of(rs, RALIGN)
+        re = tl.multiple_of(re, RALIGN)
     prow0 = tl.load(tbl_ptr + j + 2)
     tiles = tl.load(tbl_ptr + j + 3).to(tl.int64)
     lblk = tl.load(tbl_ptr + j + 4)
     nblk = tl.load(tbl_ptr + j + 5)
     rows = rs + tl.arange(0, RB)
-    return rows, rows < re, prow0 + rows, tiles, lblk, nblk, re > rs
+    return rows, rows < re, prow0 + rows, tiles, lblk, nblk, re - rs
 
 
 @triton.jit
-def _row_tile(tbl_ptr, src_ptr, F, RB: tl.constexpr, CB: tl.constexpr):
+def _row_tile(tbl_ptr, src_ptr, F, RB: tl.constexpr, CB: tl.constexpr, RALIGN: tl.constexpr):
     """`_block`, then this program's CB of the ``F`` features (``cols``, ``cmask``), the source
-    pair of every row (``src``, -1 on pad rows) and which rows hold one (``ok``)."""
-    rows, rmask, prow, tiles, lblk, nblk, live = _block(tbl_ptr, RB)
+    pair of every row (``src``, -1 on pad rows) and which rows hold one (``ok``); ``nrows``:
+    the block's row count (0: an unused block)."""
+    rows, rmask, prow, tiles, lblk, nblk, nrows = _block(tbl_ptr, RB, RALIGN)
     cols = tl.program_id(1) * CB + tl.arange(0, CB)
     src = tl.load(src_ptr + rows, mask=rmask, other=-1)
-    return rows, rmask, prow, tiles, lblk, nblk, live, cols, cols < F, src, rmask & (src >= 0)
+    return rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cols < F, src, rmask & (src >= 0)
 
 
 @triton.jit
-def _write_tile(v, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, off, n, ld,
+def _write_tile(v, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, off, n, ld,
                 qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP,
                 QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
-                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr):
     """The fp32 tile ``v`` of a row-block kernel, features ``cols`` of ``n``, stored at column
     ``cols + off`` of output rows ``ld`` wide: BF16, rowwise and/or columnwise MXFP8."""
     if BF16:
@@ -181,10 +211,10 @@ def _write_tile(v, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, off,
     if QROW:
         blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
         _quant_rows(v, rows, rmask, prow, cols + off, cmask, blk + off // QBLK, blk < n // QBLK,
-                    qr_ptr, sr_ptr, ld, ld // QBLK, INTERP, RB, CB)
+                    qr_ptr, sr_ptr, ld, ld // QBLK, INTERP, RB, CB, ABLK)
     if QCOL:
         _quant_cols(v, rows, rmask, cols + off, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk,
-                    nblk, live, INTERP)
+                    nblk, nrows, INTERP, ABLK)
 
 
 @triton.jit
@@ -206,14 +236,16 @@ def _token_tile(T, D, TB: tl.constexpr, CB: tl.constexpr):
 def _dispatch_kernel(x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
                      D, M, TOPK, RP,
                      QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
-                     INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
-    rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, src, valid = _row_tile(
-        tbl_ptr, src_ptr, D, RB, CB)
+                     INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                     ABLK: tl.constexpr, RALIGN: tl.constexpr):
+    rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, src, valid = _row_tile(
+        tbl_ptr, src_ptr, D, RB, CB, RALIGN)
     tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
     x = tl.load(x_ptr + tok[:, None] * D + cols[None, :], mask=valid[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)
-    _write_tile(x, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, 0, D, D,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
+    _write_tile(x, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, D, D,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB,
+                ABLK)
 
 
 @triton.jit
@@ -258,37 +290,63 @@ def _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP: tl.constexpr):
 def _swiglu_fwd_kernel(h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
                        H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
-                       INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
-    rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, _, ok = _row_tile(
-        tbl_ptr, src_ptr, H, RB, CB)
+                       INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                       ABLK: tl.constexpr, RALIGN: tl.constexpr):
+    rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, _, ok = _row_tile(
+        tbl_ptr, src_ptr, H, RB, CB, RALIGN)
     _, g, u, s = _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP)
     # PyTorch's BF16 `F.silu(gate) * up`: silu in fp32 rounded to BF16, product rounded to BF16.
     a = _rbf(s * u, INTERP)
-    _write_tile(a, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, 0, H, H,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
+    _write_tile(a, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, H, H,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB,
+                ABLK)
+
+
+@triton.jit
+def _swiglu_grads(da, g, u, s, INTERP: tl.constexpr):
+    """Autograd of the BF16 `F.silu(gate) * up`: mul backward in BF16, then PyTorch's CUDA
+    silu_backward formula dy * sig * (1 + x * (1 - sig)) in fp32. Returns (dgate, dup)."""
+    dup = _rbf(da * s, INTERP)
+    ds = _rbf(da * u, INTERP)
+    sig = 1.0 / (1.0 + _exp(-g, INTERP))
+    return _rbf(ds * sig * (1.0 + g * (1.0 - sig)), INTERP), dup
 
 
 @triton.jit
 def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
                        H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
-                       INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
-    rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, _, ok = _row_tile(
-        tbl_ptr, src_ptr, H, RB, CB)
-    valid, g, u, s = _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP)
-    da = tl.load(da_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=valid,
+                       INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                       ABLK: tl.constexpr, JOINT: tl.constexpr,
+                       RALIGN: tl.constexpr):
+    """``dh = [dgate | dup]`` rows 2H wide. ``JOINT == False`` (``H % ABLK == 0``): a program
+    owns CB features and writes them in both halves, like the forward's output. ``JOINT``: a
+    block along the 2H features may straddle the halves (1x128 blocks, H % 128 != 0), so a
+    program owns CB of the 2H output columns and reads, per column, its feature's inputs."""
+    if JOINT:
+        rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, _, ok = _row_tile(
+            tbl_ptr, src_ptr, 2 * H, RB, CB, RALIGN)
+        feats = tl.where(cols < H, cols, cols - H)
+    else:
+        rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, _, ok = _row_tile(
+            tbl_ptr, src_ptr, H, RB, CB, RALIGN)
+        feats = cols
+    valid, g, u, s = _gate_up(h_ptr, rows, ok, feats, cmask, H, INTERP)
+    da = tl.load(da_ptr + rows.to(tl.int64)[:, None] * H + feats[None, :], mask=valid,
                  other=0.0).to(tl.float32)
-    # Autograd of the BF16 `F.silu(gate) * up`: mul backward in BF16, then PyTorch's CUDA
-    # silu_backward formula dy * sig * (1 + x * (1 - sig)) in fp32.
-    dup = _rbf(da * s, INTERP)
-    ds = _rbf(da * u, INTERP)
-    sig = 1.0 / (1.0 + _exp(-g, INTERP))
-    dg = _rbf(ds * sig * (1.0 + g * (1.0 - sig)), INTERP)
-    # [dgate | dup] rows 2H wide: each half written like the forward's output.
-    _write_tile(dg, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, 0, H, 2 * H,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
-    _write_tile(dup, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, H, H, 2 * H,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
+    dg, dup = _swiglu_grads(da, g, u, s, INTERP)
+    if JOINT:
+        dh = tl.where((cols < H)[None, :], dg, dup)
+        _write_tile(dh, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, 2 * H, 2 * H,
+                    qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB,
+                    CB, ABLK)
+    else:
+        _write_tile(dg, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, H, 2 * H,
+                    qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB,
+                    CB, ABLK)
+        _write_tile(dup, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, H, H, 2 * H,
+                    qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB,
+                    CB, ABLK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,20 +375,22 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr
                         sc_ptr, out_ptr, part_ptr, D, M, TOPK, RP,
                         QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                         DW: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr,
-                        CB: tl.constexpr):
+                        CB: tl.constexpr, ABLK: tl.constexpr,
+                        RALIGN: tl.constexpr):
     """Sorted-row gradient dy[r] = bf16(dout[t] * bf16(w[t, j])) for the pair (t, j) of row r
     (zero for pad rows), quantized and/or BF16, and the partial routing-weight gradients
     part[col tile, r] = sum over the tile's features of bf16(dout[t] * y[r]) (fp32)."""
-    rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, src, valid = _row_tile(
-        tbl_ptr, src_ptr, D, RB, CB)
+    rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, src, valid = _row_tile(
+        tbl_ptr, src_ptr, D, RB, CB, RALIGN)
     m2 = valid[:, None] & cmask[None, :]
     tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
     w = tl.load(w_ptr + tl.where(valid, src, 0), mask=valid, other=0.0)
     w = _rbf(w, INTERP)
     g = tl.load(dout_ptr + tok[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     dy = _rbf(g * w[:, None], INTERP)
-    _write_tile(dy, rows, rmask, prow, tiles, lblk, nblk, live, cols, cmask, 0, D, D,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB)
+    _write_tile(dy, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, D, D,
+                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB,
+                ABLK)
     if DW:
         yv = tl.load(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=m2, other=0.0).to(
             tl.float32)
@@ -356,17 +416,32 @@ def _grid_rows(tbl: torch.Tensor, feats: int) -> tuple[int, int]:
     return (tbl.shape[0], triton.cdiv(feats, COL_TILE))
 
 
-def dispatch(x, src, tbl, top_k, outs):
-    """``outs``: dict with any of qrow/srow/qcol/scol (uint8) and bf16 (M, D) preallocated."""
+def _row_meta(ablk: int, aligned: bool) -> dict:
+    """Launch constants of the row-block kernels for activation blocks of ``ablk`` rows;
+    ``aligned``: every group starts on a multiple of `ROW_ALIGN` rows."""
+    if ablk not in ACT_BLOCKS:
+        raise ValueError(f"activation block must be one of {ACT_BLOCKS}, got {ablk}")
+    return {"INTERP": INTERPRET, "RB": ablk, "CB": COL_TILE, "ABLK": ablk,
+            "RALIGN": ROW_ALIGN if aligned else 1, "num_warps": ROW_WARPS[ablk]}
+
+
+def _quant_outs(outs: dict, like: torch.Tensor) -> tuple[list, dict]:
+    """Pointers of the five optional outputs (a one-element stand-in where off) and the flags."""
+    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
+    ptrs = [_u8(qr, like), _u8(sr, like), _u8(qc, like), _u8(sc, like), _bf(ob, like)]
+    return ptrs, {"QROW": qr is not None, "QCOL": qc is not None, "BF16": ob is not None}
+
+
+def dispatch(x, src, tbl, top_k, outs, ablk=BLOCK, aligned=False):
+    """``outs``: dict with any of qrow/srow/qcol/scol (uint8) and bf16 (M, D) preallocated;
+    ``tbl``: `block_table` of ``ablk``-row blocks (the activation block length); ``aligned``:
+    every group starts on a multiple of `ROW_ALIGN` rows (a promise: stores rely on it)."""
     d, m = x.shape[1], src.numel()
     if tbl.shape[0] == 0 or d == 0:
         return
-    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
-    _dispatch_kernel[_grid_rows(tbl, d)](
-        x, src, tbl, _u8(qr, x), _u8(sr, x), _u8(qc, x), _u8(sc, x), _bf(ob, x),
-        d, m, top_k, (d + 127) // 128 * 128,
-        QROW=qr is not None, QCOL=qc is not None, BF16=ob is not None, INTERP=INTERPRET,
-        RB=BLOCK, CB=COL_TILE, num_warps=4)
+    ptrs, flags = _quant_outs(outs, x)
+    _dispatch_kernel[_grid_rows(tbl, d)](x, src, tbl, *ptrs, d, m, top_k, (d + 127) // 128 * 128,
+                                         **flags, **_row_meta(ablk, aligned))
 
 
 def gather_sum(src, rows, out):
@@ -379,28 +454,24 @@ def gather_sum(src, rows, out):
                              CB=COL_TILE, num_warps=4)
 
 
-def swiglu_fwd(h, src, tbl, outs):
+def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
     hh, m = h.shape[1] // 2, src.numel()
     if tbl.shape[0] == 0 or hh == 0:
         return
-    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
-    _swiglu_fwd_kernel[_grid_rows(tbl, hh)](
-        h, src, tbl, _u8(qr, h), _u8(sr, h), _u8(qc, h), _u8(sc, h), _bf(ob, h),
-        hh, m, (hh + 127) // 128 * 128,
-        QROW=qr is not None, QCOL=qc is not None, BF16=ob is not None, INTERP=INTERPRET,
-        RB=BLOCK, CB=COL_TILE, num_warps=4)
+    ptrs, flags = _quant_outs(outs, h)
+    _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m, (hh + 127) // 128 * 128,
+                                            **flags, **_row_meta(ablk, aligned))
 
 
-def swiglu_bwd(da, h, src, tbl, outs):
+def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
     hh, m = h.shape[1] // 2, src.numel()
     if tbl.shape[0] == 0 or hh == 0:
         return
-    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
-    _swiglu_bwd_kernel[_grid_rows(tbl, hh)](
-        da, h, src, tbl, _u8(qr, h), _u8(sr, h), _u8(qc, h), _u8(sc, h), _bf(ob, h),
-        hh, m, (2 * hh + 127) // 128 * 128,
-        QROW=qr is not None, QCOL=qc is not None, BF16=ob is not None, INTERP=INTERPRET,
-        RB=BLOCK, CB=COL_TILE, num_warps=4)
+    ptrs, flags = _quant_outs(outs, h)
+    joint = hh % ablk != 0
+    _swiglu_bwd_kernel[_grid_rows(tbl, 2 * hh if joint else hh)](
+        da, h, src, tbl, *ptrs, hh, m, (2 * hh + 127) // 128 * 128, **flags, JOINT=joint,
+        **_row_meta(ablk, aligned))
 
 
 def combine_fwd(y, rows, weights, out):
@@ -413,15 +484,14 @@ def combine_fwd(y, rows, weights, out):
                               TB=TOK_TILE, CB=COL_TILE, num_warps=4)
 
 
-def combine_bwd(dout, y, weights, src, tbl, top_k, outs, part):
+def combine_bwd(dout, y, weights, src, tbl, top_k, outs, part, ablk=BLOCK, aligned=False):
     """``part``: (ceil(D / COL_TILE), M) fp32 partial sums, or None (no weight gradient)."""
     d, m = dout.shape[1], src.numel()
     if tbl.shape[0] == 0 or d == 0:
         return
-    qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
+    ptrs, flags = _quant_outs(outs, y)
     _combine_bwd_kernel[_grid_rows(tbl, d)](
-        dout, y, weights, src, tbl, _u8(qr, y), _u8(sr, y), _u8(qc, y), _u8(sc, y), _bf(ob, y),
+        dout, y, weights, src, tbl, *ptrs,
         dout.new_empty(1, dtype=torch.float32) if part is None else part,
-        d, m, top_k, (d + 127) // 128 * 128,
-        QROW=qr is not None, QCOL=qc is not None, BF16=ob is not None, DW=part is not None,
-        INTERP=INTERPRET, RB=BLOCK, CB=COL_TILE, num_warps=4)
+        d, m, top_k, (d + 127) // 128 * 128, **flags, DW=part is not None,
+        **_row_meta(ablk, aligned))

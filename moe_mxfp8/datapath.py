@@ -3,8 +3,8 @@ quantization; deterministic (no atomics); the same kernels for the MXFP8 layer a
 
 Layout. The ``T*k`` (token, slot) pairs are sorted by expert (stable) into a buffer of ``M`` rows
 whose expert groups start on multiples of ``align`` rows (16 for the MXFP8 layer: the Hopper wgrad
-kernel's TMA alignment; 1 for BF16: no padding). `route_layout` gives, on the device and without
-a host sync::
+kernel's TMA alignment; 128 for its "1x128" recipe; 1 for BF16: no padding). `route_layout`
+gives, on the device and without a host sync::
 
     rows (T, k) int32   row of pair (t, j) in the sorted buffer
     src  (M,)   int32   pair index t*k + j of each row, -1 for the zero pad rows
@@ -12,7 +12,9 @@ a host sync::
 
 Stages (``F``: features; MXFP8 copies follow docs/numerics.md: rowwise = blocks of 32 along the
 features with grouped-rows packed scales, the fprop/dgrad operand; columnwise = the transpose
-``(F, M)`` with blocks of 32 tokens restarting at each group, the wgrad operand)::
+``(F, M)`` with blocks of 32 tokens restarting at each group, the wgrad operand; with
+``scale_blocks="1x128"`` the blocks are 128 long, each 32-block carrying its 128-block's
+scale byte, "The 1x128 recipe")::
 
     dispatch          x (T, D) -> sorted rows, MXFP8 rowwise + columnwise and/or BF16 (M, D)
     dispatch_backward dX_sorted (M, D) -> dx[t] = sum_j dX_sorted[rows[t, j]], fp32, j in order
@@ -52,13 +54,13 @@ from . import layout as L
 from . import reference as R
 from .backend import _warn_once
 from .gemm import grouped_mm_k, grouped_mm_m
+from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 from .mx_tensor import MXFP8Tensor
 from .quantize import quantize_weights
 
 BF16 = torch.bfloat16
 WGRAD_MODES = ("mxfp8", "bf16")
-WEIGHT_BLOCK_ROWS = {"1x32": 1, "32x32": 32}  # weight scale tiles -> quantize_weights(block_rows)
-WEIGHT_BLOCKS = tuple(WEIGHT_BLOCK_ROWS)
+WEIGHT_BLOCKS = ("1x32", "32x32")  # the older name's values (scale_blocks covers them)
 FP8 = torch.float8_e4m3fn
 PRECISIONS = ("mxfp8", "bf16")
 
@@ -102,15 +104,16 @@ def route_layout(expert_ids: Tensor, counts: Tensor, align: int) -> tuple[Tensor
     return rows.to(torch.int32).reshape(t, k), src.to(torch.int32), offs.to(torch.int32)
 
 
-def block_table(offs: Tensor, m: int) -> Tensor:
-    """int32 ``(ceil-bound, 6)`` table of the 32-row blocks of the sorted buffer (blocks restart
-    at each group): ``rs, re, prow0, tiles, lblk, nblk`` (see `kernels.datapath_triton`)."""
+def block_table(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> Tensor:
+    """int32 ``(ceil-bound, 6)`` table of the ``block``-row blocks of the sorted buffer (blocks
+    restart at each group; ``block`` the activation block length, 32 or 128):
+    ``rs, re, prow0, tiles, lblk, nblk`` (see `kernels.datapath_triton`)."""
     e = offs.numel()
-    nb_bound = (m + (L.BLOCK_SIZE - 1) * e) // L.BLOCK_SIZE
+    nb_bound = (m + (block - 1) * e) // block
     ends = offs.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     sizes = ends - starts
-    nblk = (sizes + L.BLOCK_SIZE - 1) // L.BLOCK_SIZE
+    nblk = (sizes + block - 1) // block
     cum = torch.cumsum(nblk, 0)
     tiles = (sizes + L.TILE_ROWS - 1) // L.TILE_ROWS
     tiles_before = torch.cumsum(tiles, 0) - tiles
@@ -119,8 +122,8 @@ def block_table(offs: Tensor, m: int) -> Tensor:
     valid = g < e
     g = g.clamp(max=e - 1)
     lblk = j - (cum - nblk)[g]
-    rs = starts[g] + L.BLOCK_SIZE * lblk
-    re = torch.where(valid, torch.minimum(rs + L.BLOCK_SIZE, ends[g]), rs)
+    rs = starts[g] + block * lblk
+    re = torch.where(valid, torch.minimum(rs + block, ends[g]), rs)
     prow0 = tiles_before[g] * L.TILE_ROWS - starts[g]
     tbl = torch.stack([rs, re, prow0, tiles_before[g], lblk, nblk[g]], 1)
     return tbl.to(torch.int32).contiguous()
@@ -167,6 +170,12 @@ def _outputs(m: int, f: int, e: int, qrow: bool, qcol: bool, keep_bf16: bool, li
     return outs
 
 
+def _table(table: Tensor | None, offs: Tensor, m: int, block: int) -> Tensor:
+    """``table`` (the caller's `block_table` of these ``offs``, ``m`` and ``block``: one per
+    step, not one per stage) or a new one."""
+    return block_table(offs, m, block) if table is None else table
+
+
 def _wrap(outs: dict, offs: Tensor):
     row = col = None
     if "qrow" in outs:
@@ -176,16 +185,23 @@ def _wrap(outs: dict, offs: Tensor):
     return row, col, outs.get("bf16")
 
 
-def _quantize_ref(v: Tensor, offs: Tensor, qrow: bool, qcol: bool, keep_bf16: bool):
-    row = R.quantize_rowwise_ref(v, offs=offs) if qrow else None
-    col = R.quantize_colwise_ref(v, offs=offs) if qcol else None
+def _quantize_ref(v: Tensor, offs: Tensor, qrow: bool, qcol: bool, keep_bf16: bool,
+                  scale_blocks: str):
+    row = R.quantize_rowwise_ref(v, offs=offs, scale_blocks=scale_blocks) if qrow else None
+    col = R.quantize_colwise_ref(v, offs=offs, scale_blocks=scale_blocks) if qcol else None
     return row, col, (v if keep_bf16 else None)
 
 
-def _check_rows(name: str, f: int) -> None:
-    if f % L.BLOCK_SIZE:
+def _check_rows(name: str, f: int, scale_blocks: str, quantized: bool) -> int:
+    """The activation block length of ``scale_blocks``, after checking that ``f`` features can
+    be ``quantized`` (whole 32-blocks; BF16-only outputs take any width)."""
+    if scale_blocks not in SCALE_BLOCKS:
+        raise ValueError(f"{name}: scale_blocks must be one of {SCALE_BLOCKS}, "
+                         f"got {scale_blocks!r}")
+    if quantized and f % L.BLOCK_SIZE:
         raise ValueError(f"{name}: features must be a multiple of {L.BLOCK_SIZE} to quantize, "
                          f"got {f}")
+    return ACT_BLOCK[scale_blocks]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,24 +222,33 @@ def _gather_rows(v: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid[:, None], v[idx], torch.zeros((), dtype=v.dtype, device=v.device))
 
 
-def dispatch_ref(x, src, offs, top_k, *, qrow=True, qcol=True, keep_bf16=False):
+def dispatch_ref(x, src, offs, top_k, *, qrow=True, qcol=True, keep_bf16=False,
+                 scale_blocks="1x32"):
     valid, _, tok = _valid_rows(src, top_k)
     xs = _gather_rows(x.to(BF16), tok, valid)
-    return _quantize_ref(xs, offs, qrow, qcol, keep_bf16)
+    return _quantize_ref(xs, offs, qrow, qcol, keep_bf16, scale_blocks)
 
 
 def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = True,
-             qcol: bool = True, keep_bf16: bool = False, backend: str = "auto"):
+             qcol: bool = True, keep_bf16: bool = False, scale_blocks: str = "1x32",
+             groups_aligned: bool = False, table: Tensor | None = None, backend: str = "auto"):
     """Gather ``x (T, D)`` into the sorted buffer (``M = src.numel()`` rows, zero pad rows):
-    ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, D) | None)`` from one read."""
-    if (qrow or qcol):
-        _check_rows("dispatch", x.shape[1])
+    ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, D) | None)`` from one read;
+    the MXFP8 copies in the activation blocks of ``scale_blocks`` (32, or 128 for "1x128").
+
+    ``groups_aligned`` (here and in the other row stages): the caller promises that every
+    group starts on a multiple of 16 rows (`route_layout` with ``align % 16 == 0``); the
+    kernels then write the columnwise copy in 16-byte stores. ``table``: the `block_table` of
+    ``(offs, M, block)`` where the caller already has it (one per step)."""
+    ablk = _check_rows("dispatch", x.shape[1], scale_blocks, qrow or qcol)
     if not use_triton(x, backend):
-        return dispatch_ref(x, src, offs, top_k, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16)
+        return dispatch_ref(x, src, offs, top_k, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
+                            scale_blocks=scale_blocks)
     x = x.to(BF16).contiguous()
     m = src.numel()
     outs = _outputs(m, x.shape[1], offs.numel(), qrow, qcol, keep_bf16, x)
-    _triton_kernels().dispatch(x, src.contiguous(), block_table(offs, m), top_k, outs)
+    _triton_kernels().dispatch(x, src.contiguous(), _table(table, offs, m, ablk), top_k, outs,
+                               ablk, groups_aligned)
     return _wrap(outs, offs)
 
 
@@ -250,49 +275,56 @@ def dispatch_backward(dxs: Tensor, rows: Tensor, *, backend: str = "auto") -> Te
 # ---------------------------------------------------------------------------------------------
 
 
-def swiglu_ref(h, src, offs, *, qrow=True, qcol=True, keep_bf16=False):
+def swiglu_ref(h, src, offs, *, qrow=True, qcol=True, keep_bf16=False, scale_blocks="1x32"):
     gate, up = h.chunk(2, dim=-1)
     a = F.silu(gate) * up
     a = torch.where((src >= 0)[:, None], a, torch.zeros((), dtype=a.dtype, device=a.device))
-    return _quantize_ref(a, offs, qrow, qcol, keep_bf16)
+    return _quantize_ref(a, offs, qrow, qcol, keep_bf16, scale_blocks)
 
 
 def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: bool = True,
-           keep_bf16: bool = False, backend: str = "auto"):
+           keep_bf16: bool = False, scale_blocks: str = "1x32", groups_aligned: bool = False,
+           table: Tensor | None = None, backend: str = "auto"):
     """``h = [gate | up] (M, 2H)`` BF16 -> ``a = silu(gate) * up`` as
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, H) | None)``; pad rows 0."""
-    if qrow or qcol:
-        _check_rows("swiglu", h.shape[1] // 2)
+    ablk = _check_rows("swiglu", h.shape[1] // 2, scale_blocks, qrow or qcol)
     if not use_triton(h, backend):
-        return swiglu_ref(h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16)
+        return swiglu_ref(h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
+                          scale_blocks=scale_blocks)
     h = h.contiguous()
     m = src.numel()
     outs = _outputs(m, h.shape[1] // 2, offs.numel(), qrow, qcol, keep_bf16, h)
-    _triton_kernels().swiglu_fwd(h, src.contiguous(), block_table(offs, m), outs)
+    _triton_kernels().swiglu_fwd(h, src.contiguous(), _table(table, offs, m, ablk), outs, ablk,
+                                 groups_aligned)
     return _wrap(outs, offs)
 
 
-def swiglu_backward_ref(da, h, src, offs, *, qrow=True, qcol=True, keep_bf16=False):
+def swiglu_backward_ref(da, h, src, offs, *, qrow=True, qcol=True, keep_bf16=False,
+                        scale_blocks="1x32"):
     gate, up = h.chunk(2, dim=-1)
     dup = da * F.silu(gate)
     dgate = torch.ops.aten.silu_backward(da * up, gate)
     dh = torch.cat([dgate, dup], dim=1)
     dh = torch.where((src >= 0)[:, None], dh, torch.zeros((), dtype=dh.dtype, device=dh.device))
-    return _quantize_ref(dh, offs, qrow, qcol, keep_bf16)
+    return _quantize_ref(dh, offs, qrow, qcol, keep_bf16, scale_blocks)
 
 
 def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True,
-                    qcol: bool = True, keep_bf16: bool = False, backend: str = "auto"):
+                    qcol: bool = True, keep_bf16: bool = False, scale_blocks: str = "1x32",
+                    groups_aligned: bool = False, table: Tensor | None = None,
+                    backend: str = "auto"):
     """Gradient of `swiglu`: ``dA (M, H)`` and the saved ``h`` -> ``dh = [dgate | dup]`` as
-    ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, 2H) | None)`` in one pass."""
-    if qrow or qcol:
-        _check_rows("swiglu_backward", h.shape[1])
+    ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, 2H) | None)`` in one pass (the
+    MXFP8 copies blocked along the whole 2H row, as the GEMMs read them)."""
+    ablk = _check_rows("swiglu_backward", h.shape[1], scale_blocks, qrow or qcol)
     if not use_triton(h, backend):
-        return swiglu_backward_ref(da, h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16)
+        return swiglu_backward_ref(da, h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
+                                   scale_blocks=scale_blocks)
     h, da = h.contiguous(), da.contiguous()
     m = src.numel()
     outs = _outputs(m, h.shape[1], offs.numel(), qrow, qcol, keep_bf16, h)
-    _triton_kernels().swiglu_bwd(da, h, src.contiguous(), block_table(offs, m), outs)
+    _triton_kernels().swiglu_bwd(da, h, src.contiguous(), _table(table, offs, m, ablk), outs, ablk,
+                                 groups_aligned)
     return _wrap(outs, offs)
 
 
@@ -320,7 +352,7 @@ def combine(y: Tensor, rows: Tensor, weights: Tensor, *, backend: str = "auto") 
 
 
 def combine_backward_ref(dout, y, src, rows, weights, offs, *, qrow=True, qcol=True,
-                         keep_bf16=False, need_dw=True):
+                         keep_bf16=False, need_dw=True, scale_blocks="1x32"):
     top_k = rows.shape[1]
     valid, pair, tok = _valid_rows(src, top_k)
     wb = weights.reshape(-1).to(BF16)
@@ -330,21 +362,24 @@ def combine_backward_ref(dout, y, src, rows, weights, offs, *, qrow=True, qcol=T
     if need_dw:
         # autograd of the BF16 product: BF16 products summed over the features, BF16 result
         dw = (dout[:, None, :] * y[rows.to(torch.int64)]).sum(-1).float()
-    return (*_quantize_ref(dy, offs, qrow, qcol, keep_bf16), dw)
+    return (*_quantize_ref(dy, offs, qrow, qcol, keep_bf16, scale_blocks), dw)
 
 
 def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights: Tensor,
                      offs: Tensor, *, qrow: bool = True, qcol: bool = True,
-                     keep_bf16: bool = False, need_dw: bool = True, backend: str = "auto"):
+                     keep_bf16: bool = False, need_dw: bool = True, scale_blocks: str = "1x32",
+                     groups_aligned: bool = False, table: Tensor | None = None,
+                     backend: str = "auto"):
     """Gradient of `combine` in one pass over the sorted rows: ``dY`` as ``(rowwise MXFP8 |
     None, columnwise MXFP8 | None, BF16 (M, D) | None)`` (pad rows 0) and the routing-weight
     gradient ``(T, k)`` fp32 (or None): per-row partial sums over feature tiles, then summed
     over the tiles in a fixed order (no atomics)."""
-    if qrow or qcol:
-        _check_rows("combine_backward", dout.shape[1])
+    ablk = _check_rows("combine_backward", dout.shape[1], scale_blocks,
+                       qrow or qcol)
     if not use_triton(dout, backend):
         return combine_backward_ref(dout, y, src, rows, weights, offs, qrow=qrow, qcol=qcol,
-                                    keep_bf16=keep_bf16, need_dw=need_dw)
+                                    keep_bf16=keep_bf16, need_dw=need_dw,
+                                    scale_blocks=scale_blocks)
     kern = _triton_kernels()
     dout, y = dout.contiguous(), y.contiguous()
     m, d = src.numel(), dout.shape[1]
@@ -353,7 +388,7 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
     if need_dw:
         part = dout.new_empty(-(-d // kern.COL_TILE), m, dtype=torch.float32)
     kern.combine_bwd(dout, y, weights.float().contiguous(), src.contiguous(),
-                     block_table(offs, m), rows.shape[1], outs, part)
+                     _table(table, offs, m, ablk), rows.shape[1], outs, part, ablk, groups_aligned)
     dw = None
     if need_dw:
         dw = part.sum(0).to(BF16).float()[rows.to(torch.int64)]
@@ -387,36 +422,47 @@ def _u8(t: MXFP8Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
     return t.data.view(torch.uint8), t.scale
 
 
-def _weights_q(w: Tensor, axis: str, weight_blocks: str, backend: str) -> MXFP8Tensor:
-    return quantize_weights(w.contiguous(), axis=axis, block_rows=WEIGHT_BLOCK_ROWS[weight_blocks],
+def _step_table(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend: str):
+    """The row kernels' `block_table`, built once per pass (None where the references run)."""
+    return block_table(offs, m, ACT_BLOCK[scale_blocks]) if use_triton(like, backend) else None
+
+
+def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str) -> MXFP8Tensor:
+    return quantize_weights(w.contiguous(), axis=axis, block_rows=WEIGHT_BLOCK_ROWS[scale_blocks],
                             backend=backend)
 
 
 @torch.library.custom_op("moe_mxfp8::routed_experts_fwd", mutates_args=())
 def _routed_experts_fwd(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
-    offs: Tensor, precision: str, backend: str, wgrad: str, weight_blocks: str, save: bool,
+    offs: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, save: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(out (T, D) bf16, sx, sx_scale, h, sa, sa_scale, y)``: the saved tensors (empty
     unless ``save``): wgrad operands of x and a (FP8 bytes + scales, or BF16 as int16), h and y
     (BF16 as int16)."""
     mx, qcol, keep = _modes(precision, wgrad, save)
     top_k = rows.shape[1]
+    sb = scale_blocks if mx else "1x32"  # BF16 twin: nothing quantized, 32-row programs
+    tbl = _step_table(x, offs, src.numel(), sb, backend)
     if mx:
+        # MXFP8: groups start on multiples of 16 rows (the contract of this op, see
+        # `routed_experts`; the wgrad GEMMs rely on it too)
         xr, xc, xb = dispatch(x, src, offs, top_k, qrow=True, qcol=qcol, keep_bf16=keep,
-                              backend=backend)
-        h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", weight_blocks, backend), offs,
-                         out_dtype=BF16, backend=backend)
+                              scale_blocks=sb, groups_aligned=True, table=tbl, backend=backend)
+        h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend), offs, out_dtype=BF16,
+                         backend=backend)
         del xr
-        ar, ac, ab = swiglu(h, src, offs, qrow=True, qcol=qcol, keep_bf16=keep, backend=backend)
-        y = grouped_mm_m(ar, _weights_q(w_down, "K", weight_blocks, backend), offs,
-                         out_dtype=BF16, backend=backend)
+        ar, ac, ab = swiglu(h, src, offs, qrow=True, qcol=qcol, keep_bf16=keep, scale_blocks=sb,
+                            groups_aligned=True, table=tbl, backend=backend)
+        y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend), offs, out_dtype=BF16,
+                         backend=backend)
         del ar
     else:
         _, _, xb = dispatch(x, src, offs, top_k, qrow=False, qcol=False, keep_bf16=True,
-                            backend=backend)
+                            table=tbl, backend=backend)
         h = torch._grouped_mm(xb, w_gate_up.transpose(-2, -1), offs=offs)
-        _, _, ab = swiglu(h, src, offs, qrow=False, qcol=False, keep_bf16=True, backend=backend)
+        _, _, ab = swiglu(h, src, offs, qrow=False, qcol=False, keep_bf16=True, table=tbl,
+                          backend=backend)
         y = torch._grouped_mm(ab, w_down.transpose(-2, -1), offs=offs)
         xc = ac = None
     out = combine(y, rows, weights, backend=backend)
@@ -431,7 +477,7 @@ def _routed_experts_fwd(
 
 @_routed_experts_fwd.register_fake
 def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, precision, backend,
-                             wgrad, weight_blocks, save):
+                             wgrad, scale_blocks, save):
     t, d = x.shape
     e, h2, _ = w_gate_up.shape
     m = src.numel()
@@ -453,12 +499,13 @@ def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, pre
 
 
 def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, offs: Tensor,
-                 qcol: bool, backend: str) -> Tensor:
+                 qcol: bool, scale_blocks: str, backend: str) -> Tensor:
     """A weight gradient ``dy^T @ saved`` per group: from the columnwise MXFP8 copies (``dyc``
     and the saved FP8 operand, ``qcol``) or the BF16 ones (``dyb`` and the saved int16 bits)."""
     if qcol:
         col = MXFP8Tensor(saved.view(FP8), saved_scale, "packed", offs, "k")
-        return grouped_mm_k(dyc, col, offs, out_dtype=BF16, backend=backend, groups_aligned=True)
+        return grouped_mm_k(dyc, col, offs, out_dtype=BF16, backend=backend, groups_aligned=True,
+                            scale_blocks=scale_blocks)
     return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)
 
 
@@ -466,7 +513,7 @@ def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, o
 def _routed_experts_bwd(
     dout: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, sx: Tensor, sx_scale: Tensor, h: Tensor, sa: Tensor, sa_scale: Tensor,
-    y: Tensor, precision: str, backend: str, wgrad: str, weight_blocks: str, need_dx: bool,
+    y: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, need_dx: bool,
     need_dw: bool, need_dweights: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx (T, D), dw_gate_up (E, 2H, D), dw_down (E, D, H), dweights (T, k) fp32)``;
@@ -481,50 +528,70 @@ def _routed_experts_bwd(
     dwgu = _empty(dout, BF16)
     dwdn = _empty(dout, BF16)
     chain = need_dx or need_dw
+    sb = scale_blocks if mx else "1x32"
+    tbl = _step_table(dout, offs, src.numel(), sb, backend)
     dyr, dyc, dyb, dwts = combine_backward(
         dout, y, src, rows, weights, offs, qrow=mx and chain, qcol=qcol,
-        keep_bf16=(not mx and chain) or keep, need_dw=need_dweights, backend=backend)
+        keep_bf16=(not mx and chain) or keep, need_dw=need_dweights, scale_blocks=sb,
+        groups_aligned=mx, table=tbl, backend=backend)
     dwts = _empty(dout, torch.float32) if dwts is None else dwts
     if not chain:
         return dx, dwgu, dwdn, dwts
+    # The down projection's weight gradient right away, or after the gate/up GEMMs: whichever
+    # keeps fewer bytes alive through them, its result (E, D, H) BF16 or its dY operand (M, D)
+    # (FP8 columnwise, or BF16). Static sizes: at mixtral the operand is 7x smaller, at dsv3 4x
+    # larger. Every GEMM is the same either way (deterministic).
+    e, d, hh = w_down.shape
+    late = need_dw and src.numel() * d * (1 if mx and qcol else 2) < e * d * hh * 2
     if mx:
-        da = grouped_mm_m(dyr, _weights_q(w_down, "N", weight_blocks, backend), offs,
-                          out_dtype=BF16, backend=backend)
+        da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend), offs, out_dtype=BF16,
+                          backend=backend)
         del dyr
-        if need_dw:
-            dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, backend)
-        del dyc, dyb
+        if not late:
+            if need_dw:
+                dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, sb, backend)
+            del dyc, dyb
         dhr, dhc, dhb = swiglu_backward(da, h, src, offs, qrow=need_dx, qcol=qcol,
-                                        keep_bf16=keep, backend=backend)
+                                        keep_bf16=keep, scale_blocks=sb, groups_aligned=True,
+                                        table=tbl, backend=backend)
         del da
-        if need_dw:
-            dwgu = _weight_grad(dhc, dhb, sx, sx_scale, offs, qcol, backend)
-        del dhc, dhb
+        # dgrad before wgrad: dx is small, and its temporaries (the N-axis weights, the sorted
+        # dX rows, dh's rowwise copy) are freed before the (E, 2H, D) weight gradient exists
         if need_dx:
-            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", weight_blocks, backend), offs,
+            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend), offs,
                                out_dtype=BF16, backend=backend)
-            del dhr
             dx = dispatch_backward(dxs, rows, backend=backend)
+            del dxs
+        del dhr
+        if need_dw:
+            dwgu = _weight_grad(dhc, dhb, sx, sx_scale, offs, qcol, sb, backend)
+            del dhc, dhb
+        if late:
+            dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, sb, backend)
     else:
         da = torch._grouped_mm(dyb, w_down, offs=offs)
-        if need_dw:
-            dwdn = torch._grouped_mm(dyb.t(), sa.view(BF16), offs=offs)
-        del dyb
+        if not late:
+            if need_dw:
+                dwdn = torch._grouped_mm(dyb.t(), sa.view(BF16), offs=offs)
+            del dyb
         _, _, dh = swiglu_backward(da, h, src, offs, qrow=False, qcol=False, keep_bf16=True,
-                                   backend=backend)
+                                   table=tbl, backend=backend)
         del da
+        if need_dx:  # dgrad before wgrad, as above
+            dxs = torch._grouped_mm(dh, w_gate_up, offs=offs)
+            dx = dispatch_backward(dxs, rows, backend=backend)
+            del dxs
         if need_dw:
             dwgu = torch._grouped_mm(dh.t(), sx.view(BF16), offs=offs)
-        if need_dx:
-            dxs = torch._grouped_mm(dh, w_gate_up, offs=offs)
             del dh
-            dx = dispatch_backward(dxs, rows, backend=backend)
+        if late:
+            dwdn = torch._grouped_mm(dyb.t(), sa.view(BF16), offs=offs)
     return dx, dwgu, dwdn, dwts
 
 
 @_routed_experts_bwd.register_fake
 def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, sx, sx_scale, h,
-                             sa, sa_scale, y, precision, backend, wgrad, weight_blocks, need_dx,
+                             sa, sa_scale, y, precision, backend, wgrad, scale_blocks, need_dx,
                              need_dw, need_dweights):
     t, k = rows.shape
     dx = dout.new_empty(t, dout.shape[1], dtype=BF16) if need_dx else _empty(dout, BF16)
@@ -536,10 +603,10 @@ def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (_, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, weight_blocks,
+    (_, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, scale_blocks,
      _) = inputs
     _, sx, sxs, h, sa, sas, y = output
-    ctx.cfg = (precision, backend, wgrad, weight_blocks)
+    ctx.cfg = (precision, backend, wgrad, scale_blocks)
     # The saved-tensor outputs get no gradient; without this autograd would allocate and fill
     # zero "gradients" of their size at the start of backward (measured at dsv3: ~0.9 ms and
     # GiBs of peak memory).
@@ -570,13 +637,17 @@ torch.library.register_autograd(
 def routed_experts(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, *, precision: str = "mxfp8", backend: str = "auto", wgrad: str = "mxfp8",
-    weight_blocks: str = "1x32",
+    scale_blocks: str = "1x32", weight_blocks: str | None = None,
 ) -> Tensor:
     """The routed experts of a SwiGLU MoE layer on the layout of `route_layout`, with autograd.
 
     ``x (T, D)`` bf16, ``w_gate_up (E, 2H, D)`` and ``w_down (E, D, H)`` bf16, ``weights (T, k)``
     routing weights (fp32), ``rows/src/offs`` from `route_layout` (``align >= 16`` for
-    ``precision="mxfp8"``: the wgrad kernels read 16-aligned groups). Returns ``(T, D)`` bf16::
+    ``precision="mxfp8"``: the wgrad kernels and the data path's 16-byte columnwise stores
+    rely on 16-aligned groups; 128 for
+    ``scale_blocks="1x128"``: each 128-token k-tile of wgrad is one group's 1x128 block).
+    ``scale_blocks``: the MXFP8 recipe (docs/numerics.md; ``weight_blocks`` is the older name
+    of "1x32" / "32x32"). Returns ``(T, D)`` bf16::
 
         out[t] = sum_j w[t, j] * (silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) Wd_e^T,  e = expert of (t, j)
 
@@ -587,9 +658,17 @@ def routed_experts(
                          f"got {precision!r}")
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"routed_experts: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
-    if weight_blocks not in WEIGHT_BLOCKS:
-        raise ValueError(f"routed_experts: weight_blocks must be one of {WEIGHT_BLOCKS}, "
-                         f"got {weight_blocks!r}")
+    if weight_blocks is not None:
+        if weight_blocks not in WEIGHT_BLOCKS:
+            raise ValueError(f"routed_experts: weight_blocks must be one of {WEIGHT_BLOCKS}, "
+                             f"got {weight_blocks!r}")
+        if scale_blocks not in ("1x32", weight_blocks):
+            raise ValueError(f"routed_experts: pass scale_blocks or weight_blocks, not both "
+                             f"({scale_blocks!r} vs {weight_blocks!r})")
+        scale_blocks = weight_blocks
+    if scale_blocks not in SCALE_BLOCKS:
+        raise ValueError(f"routed_experts: scale_blocks must be one of {SCALE_BLOCKS}, "
+                         f"got {scale_blocks!r}")
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if t.dtype != BF16:
             raise TypeError(f"routed_experts: {name} must be bfloat16, got {t.dtype}")
@@ -600,5 +679,5 @@ def routed_experts(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
-        weight_blocks, save)[0]
+        scale_blocks, save)[0]
     return out

@@ -48,7 +48,6 @@ from .ops import (
     check_layer_dims,
     check_mxfp8_dims,
     check_weight_blocks,
-    grouped_mm,
     resolve_scale_blocks,
 )
 
@@ -69,6 +68,43 @@ GROUP_ALIGN_ROWS = WGRAD_ROW_ALIGN  # one constant: the wgrad kernel's token ali
 # one whole 1x128 block of one group (no partial last block, no tail fix-up in the kernel);
 # exact for the same reason (a zero row never raises a block's amax)
 GROUP_ALIGN_ROWS_1X128 = 128
+
+
+# torch.mm(a, b, out_dtype=torch.float32) for BF16 a, b: a CUDA kernel (cuBLAS, fp32 accumulation)
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
+class _RouterLogits(torch.autograd.Function):
+    """Router logits ``x @ W^T`` (T, E) fp32 for BF16 ``x`` and ``W`` on CUDA.
+
+    A product of two BF16 values is exact in fp32, so one BF16 GEMM with fp32 accumulation and
+    fp32 output gives the logits of the fp32 router (``F.linear(x.float(), W.float())``) up to
+    the order of its fp32 sums, without the fp32 copy of ``x`` that the fp32 GEMM reads, keeps
+    for backward and reads again (measured at dsv3: the fp32 router's GEMMs and casts 5.2 ms of
+    a step, the copy 1.75 GiB). Backward rounds the logits' gradient (T, E) to BF16 once and
+    runs two BF16 GEMMs with fp32 accumulation: ``dx`` in BF16 (x's dtype), ``dW`` in W's.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        g = grad.to(torch.bfloat16)
+        dx = torch.mm(g, w) if ctx.needs_input_grad[0] else None
+        dw = torch.mm(g.t(), x) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x (T, D) @ w (E, D)^T`` -> (T, E) fp32 logits, fp32 accumulation: `_RouterLogits` for
+    BF16 inputs on CUDA, else the fp32 GEMM of the upcast inputs."""
+    if x.is_cuda and _MM_OUT_DTYPE and x.dtype == w.dtype == torch.bfloat16:
+        return _RouterLogits.apply(x, w)
+    return F.linear(x.float(), w.float())
 
 
 def _padded_extent(m: int, num_experts: int, align: int = GROUP_ALIGN_ROWS) -> int:
@@ -100,8 +136,8 @@ class MXFP8MoE(nn.Module):
         save_colwise: forward saves the FP8 columnwise copy of the expert GEMM inputs for
             wgrad instead of re-quantizing them in backward (default; measured: same time, less
             memory -- see `moe_mxfp8.grouped_mm`). The lean data path (`moe_mxfp8.datapath`,
-            used with 1x32 and 32x32 scale blocks) always writes that copy in its dispatch and
-            SwiGLU passes, so there the option changes nothing (same bytes either way).
+            the single-GPU layer's path in every recipe) always writes that copy in its
+            dispatch and SwiGLU passes, so there the option changes nothing (same bytes).
         weight_blocks: ``"1x32"`` (default) or ``"32x32"``: scale blocks of the routed expert
             weights in fprop and dgrad (mxfp8 only; see `moe_mxfp8.grouped_mm`).
         scale_blocks: the scale-block recipe of the expert GEMMs (mxfp8 only; one vocabulary
@@ -127,7 +163,8 @@ class MXFP8MoE(nn.Module):
 
     Parameters (identical for both precisions; ``state_dict`` keys in brackets):
         ``router.weight`` ``(E, D)`` [``router.weight``]: an ``nn.Linear`` without bias, stored in
-            ``dtype``; the router logits are computed in float32 from it.
+            ``dtype``; the router logits are float32 with fp32 accumulation (for BF16 ``x`` and
+            weight on CUDA one BF16 GEMM, whose products are exact: `router_logits`).
         ``w_gate_up`` ``(E, 2H, D)``: gate rows ``[0, H)`` and up rows ``[H, 2H)`` of each expert,
             stored ``(E, N, K)`` so the forward uses ``w_gate_up.transpose(-2, -1)``.
         ``w_down`` ``(E, D, H)``.
@@ -140,7 +177,8 @@ class MXFP8MoE(nn.Module):
         ``tokens_per_expert``: ``(E,)`` int64, detached (routed (token, slot) pairs per expert).
 
     Input ``x (..., D)`` in bfloat16, float16 or float32; the output has x's shape and dtype.
-    Experts compute in BF16 (MXFP8 inside the routed experts' GEMMs), the router in float32.
+    Experts compute in BF16 (MXFP8 inside the routed experts' GEMMs), the router's logits in
+    float32 (the same router in both precisions).
     """
 
     check_finite: bool = True  # check the router scores for NaN/Inf (no host sync on GPU)
@@ -347,14 +385,14 @@ class MXFP8MoE(nn.Module):
         int64 and the auxiliary loss (fp32 scalar)."""
         t = x.shape[0]
         dev = x.device.type
-        # The router runs in float32 even under autocast (which would make F.linear BF16).
+        # fp32 logits (fp32 accumulation) even under autocast (which would make them BF16).
         no_autocast = (
             torch.autocast(dev, enabled=False)
             if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev)
             else contextlib.nullcontext()
         )
         with no_autocast:
-            logits = F.linear(x.float(), self.router.weight.float())  # (T, E) fp32
+            logits = router_logits(x, self.router.weight)  # (T, E) fp32
         self._check_finite(logits)
         if self.score_func == "softmax":
             scores = logits.softmax(dim=-1)
@@ -376,22 +414,6 @@ class MXFP8MoE(nn.Module):
         aux = self.aux_loss_coef * self.num_experts * (frac * mean_prob).sum()
         return weights, expert_ids, counts, aux
 
-    def _expert_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """``x (M, K)`` bf16 sorted by expert, ``w (E, N, K)`` -> ``(M, N)`` bf16."""
-        w_t = w.to(COMPUTE_DTYPE).transpose(-2, -1)  # (E, K, N) view of the (E, N, K) storage
-        if self.precision == "bf16":
-            return torch._grouped_mm(x, w_t, offs=offs)
-        return grouped_mm(
-            x,
-            w_t,
-            offs,
-            backend=self.backend,
-            wgrad=self.wgrad,
-            save_colwise=self.save_colwise,
-            scale_blocks=self.scale_blocks,
-            aligned_groups=True,  # forward() pads every expert group to 16 (1x128: 128) rows
-        )
-
     def _shared_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Dense SwiGLU of the shared experts in BF16 for both precisions: ``x (T, D)`` bf16 ->
         ``(T, D)`` bf16 (gate and up as one ``(T, 2 Hs)`` GEMM, then down)."""
@@ -399,68 +421,30 @@ class MXFP8MoE(nn.Module):
         gate, up = rearrange(h, "t (two h) -> two t h", two=2)
         return F.linear(F.silu(gate) * up, self.shared_w_down.to(COMPUTE_DTYPE))  # (T, D)
 
-    @staticmethod
-    def _aligned_rows(counts: torch.Tensor, m: int,
-                      align: int = GROUP_ALIGN_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of the padded expert-sorted buffer for the ``m`` sorted pairs, and its ``offs``.
-
-        Group g starts at ``sum_{h<g} round_up(m_h, 16)``; the last group also absorbs the slack
-        up to the static extent `_padded_extent` (sizes never depend on ``counts`` on the host).
-        """
-        e = counts.numel()
-        padded = (counts + align - 1) // align * align
-        pad_start = torch.cumsum(padded, 0) - padded
-        start = torch.cumsum(counts, 0) - counts
-        g = torch.repeat_interleave(torch.arange(e, device=counts.device), counts, output_size=m)
-        rows = pad_start[g] + torch.arange(m, device=counts.device) - start[g]
-        # The last end is the static extent; built on the device (an in-place write of a Python
-        # int into a CUDA tensor is a host->device copy, which syncs: seen on the H100).
-        extent = counts.new_full((1,), _padded_extent(m, e, align))
-        offs = torch.cat([torch.cumsum(padded, 0)[:-1], extent])
-        return rows, offs.to(torch.int32)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., dim)`` -> ``(..., dim)`` (same dtype); sets ``self.aux_loss``."""
         if self.ep_group is not None:
             return EP.ep_forward(self, x)  # expert parallel: moe_mxfp8.expert_parallel
         self._check_input(x)
-        k = self.top_k
         x_flat = rearrange(x, "... d -> (...) d")  # (T, D)
-        t = x_flat.shape[0]
 
         weights, expert_ids, counts, aux = self._route(x_flat)
         self.aux_loss = aux
         self.tokens_per_expert = counts.detach()
 
-        if self.precision == "bf16" or self.scale_blocks in DP.WEIGHT_BLOCKS:
-            # The lean data path (moe_mxfp8.datapath): dispatch writes the sorted, group-padded
-            # rows already quantized, SwiGLU and combine are fused with (de)quantization, the
-            # backward sums in a fixed order (deterministic). The BF16 twin uses the same kernels.
-            align = self.group_align_rows if self.precision == "mxfp8" else 1
-            rows, src, offs = DP.route_layout(expert_ids, counts, align)
-            out = DP.routed_experts(
-                x_flat.to(COMPUTE_DTYPE), self.w_gate_up.to(COMPUTE_DTYPE),
-                self.w_down.to(COMPUTE_DTYPE), weights, rows, src, offs,
-                precision=self.precision, backend=self.backend, wgrad=self.wgrad,
-                weight_blocks=self.weight_blocks,
-            )
-            return self._finish(out, x_flat, x)
-
-        # MXFP8 with 1x128 scale blocks (no fused data-path kernels for it yet): sort the T*k
-        # (token, slot) pairs by expert (stable, so tokens keep their order) into the
-        # 128-row-aligned buffer, and run the grouped GEMMs of moe_mxfp8.grouped_mm.
-        order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
-        rows, offs = self._aligned_rows(counts, t * k, self.group_align_rows)
-        m_pad = _padded_extent(t * k, counts.numel(), self.group_align_rows)
-        x_sorted = x_flat.new_zeros(m_pad, self.dim, dtype=COMPUTE_DTYPE)
-        x_sorted[rows] = x_flat.to(COMPUTE_DTYPE)[order // k]  # (M_pad, D), zero padding
-
-        # SwiGLU experts: gate and up in one grouped GEMM (N = 2H), then down.
-        h = self._expert_mm(x_sorted, self.w_gate_up, offs)  # (M_pad, 2H)
-        gate, up = rearrange(h, "m (two h) -> two m h", two=2)
-        y_sorted = self._expert_mm(F.silu(gate) * up, self.w_down, offs)[rows]  # (T*k, D)
-
-        return self._combine(y_sorted, order, weights, x_flat, x)
+        # The lean data path (moe_mxfp8.datapath), every recipe and the BF16 twin: dispatch
+        # writes the sorted, group-padded rows already quantized (blocks of 32, or 128 for
+        # "1x128"), SwiGLU and combine are fused with (de)quantization, the backward sums in a
+        # fixed order (deterministic). The BF16 twin runs the same kernels without quantization.
+        align = self.group_align_rows if self.precision == "mxfp8" else 1
+        rows, src, offs = DP.route_layout(expert_ids, counts, align)
+        out = DP.routed_experts(
+            x_flat.to(COMPUTE_DTYPE), self.w_gate_up.to(COMPUTE_DTYPE),
+            self.w_down.to(COMPUTE_DTYPE), weights, rows, src, offs,
+            precision=self.precision, backend=self.backend, wgrad=self.wgrad,
+            scale_blocks=self.scale_blocks,
+        )
+        return self._finish(out, x_flat, x)
 
     def _combine(self, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
                  x_flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

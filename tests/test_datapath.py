@@ -77,11 +77,12 @@ def test_route_layout(gen, align):
         assert (r[1:] > r[:-1]).all()
 
 
-def test_block_table_covers_every_row_once(gen):
+@pytest.mark.parametrize("block", [32, 128])
+def test_block_table_covers_every_row_once(gen, block):
     ids, counts = make_routing(gen, 90, 2, 6)
     _, src, offs = DP.route_layout(ids, counts, 16)
     m = src.numel()
-    tbl = DP.block_table(offs, m).long()
+    tbl = DP.block_table(offs, m, block).long()
     rs, re, prow0, tiles, lblk, nblk = tbl.unbind(1)
     hits = torch.zeros(m, dtype=torch.int64)
     for a, b in zip(rs.tolist(), re.tolist(), strict=True):
@@ -90,8 +91,8 @@ def test_block_table_covers_every_row_once(gen):
     starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
     g = torch.searchsorted(offs.long(), rs, right=True).clamp(max=offs.numel() - 1)
     live = re > rs
-    assert ((rs - starts[g])[live] == 32 * lblk[live]).all()
-    assert (re - rs <= 32).all() and (lblk < nblk)[live].all()
+    assert ((rs - starts[g])[live] == block * lblk[live]).all()
+    assert (re - rs <= block).all() and (lblk < nblk)[live].all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def test_block_table_covers_every_row_once(gen):
 # ---------------------------------------------------------------------------------------------
 
 
-def _eager_block(x, w_gu, w_dn, weights, ids, counts, precision):
+def _eager_block(x, w_gu, w_dn, weights, ids, counts, precision, scale_blocks="1x32"):
     """The pre-datapath composition: gather, grouped GEMMs, silu * up, index_copy, BF16 combine."""
     t, k = ids.shape
     order = torch.argsort(ids.reshape(-1), stable=True)
@@ -112,7 +113,8 @@ def _eager_block(x, w_gu, w_dn, weights, ids, counts, precision):
         offs = torch.cumsum(counts, 0).to(torch.int32)
 
         def mm(a, w):
-            return grouped_mm(a, w.transpose(-2, -1), offs, backend="reference")
+            return grouped_mm(a, w.transpose(-2, -1), offs, backend="reference",
+                              scale_blocks=scale_blocks)
     h = mm(x[order // k], w_gu)
     gate, up = h.chunk(2, dim=-1)
     ys = mm(F.silu(gate) * up, w_dn)
@@ -120,27 +122,33 @@ def _eager_block(x, w_gu, w_dn, weights, ids, counts, precision):
     return (pairs * weights.to(BF16).unsqueeze(-1)).sum(dim=1)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-def test_routed_experts_matches_eager_composition(gen, precision):
+@pytest.mark.parametrize("precision,scale_blocks,shape", [
+    ("bf16", "1x32", (45, 2, 5, 64, 96)), ("mxfp8", "1x32", (45, 2, 5, 64, 96)),
+    ("mxfp8", "1x128", (45, 2, 5, 64, 96)),
+    # few experts, small H: the down projection's weight gradient is computed early (its dY
+    # operand is the larger tensor), not after the gate/up GEMMs
+    ("bf16", "1x32", (100, 2, 2, 64, 32)), ("mxfp8", "1x32", (100, 2, 2, 64, 32))])
+def test_routed_experts_matches_eager_composition(gen, precision, scale_blocks, shape):
     """Same values as the expressions the data path replaced (k = 2: the fp32 segmented sum of
-    dx equals the BF16 index_put accumulation), reference backend, exact."""
-    t, k, e, d, hh = 45, 2, 5, 64, 96
+    dx equals the BF16 index_put accumulation), reference backend, exact. 1x128: the old
+    sort-and-pad path's unpadded grouped GEMMs (zero pad rows raise no 128-block's amax)."""
+    t, k, e, d, hh = shape
     ids, counts = make_routing(gen, t, k, e)
     x = torch.randn(t, d, generator=gen).to(BF16)
     w_gu = (torch.randn(e, 2 * hh, d, generator=gen) * d**-0.5).to(BF16)
     w_dn = (torch.randn(e, d, hh, generator=gen) * hh**-0.5).to(BF16)
     weights = torch.rand(t, k, generator=gen)
     dout = torch.randn(t, d, generator=gen).to(BF16)
-    align = 16 if precision == "mxfp8" else 1
+    align = {"bf16": 1, "1x32": 16, "1x128": 128}["bf16" if precision == "bf16" else scale_blocks]
     rows, src, offs = DP.route_layout(ids, counts, align)
     res = []
     for fused in (True, False):
         leaves = [v.clone().requires_grad_() for v in (x, w_gu, w_dn, weights)]
         if fused:
             out = DP.routed_experts(*leaves, rows, src, offs, precision=precision,
-                                    backend="reference")
+                                    backend="reference", scale_blocks=scale_blocks)
         else:
-            out = _eager_block(*leaves, ids, counts, precision)
+            out = _eager_block(*leaves, ids, counts, precision, scale_blocks)
         out.backward(dout)
         res.append([out] + [v.grad for v in leaves])
     for name, a, b in zip(["out", "dx", "dw_gu", "dw_dn", "dweights"], *res, strict=True):
@@ -255,13 +263,18 @@ def _kernel_module():
     return datapath_triton
 
 
-def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_silu_bwd=True):
-    """Every kernel with every output poisoned, vs its reference on the same device."""
+def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_silu_bwd=True,
+                                     scale_blocks="1x32"):
+    """Every kernel with every output poisoned, vs its reference on the same device, in the
+    activation blocks of ``scale_blocks`` (32, or 128 for "1x128")."""
     K = _kernel_module()
+    sb = scale_blocks
+    ablk = R.ACT_BLOCK[sb]
+    aligned = align % 16 == 0  # the 16-byte columnwise stores where groups allow them
     ids, counts = make_routing(gen, t, k, e)
     rows, src, offs = (v.to(device) for v in DP.route_layout(ids, counts, align))
     m = src.numel()
-    tbl = DP.block_table(offs, m)
+    tbl = DP.block_table(offs, m, ablk)
 
     def outs(f):
         o = DP._outputs(m, f, e, True, True, True, src)
@@ -275,8 +288,9 @@ def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_s
 
     x = rnd(t, d)
     o = outs(d)
-    K.dispatch(x, src, tbl, k, o)
-    got, ref = DP._wrap(o, offs), DP.dispatch_ref(x, src, offs, k, keep_bf16=True)
+    K.dispatch(x, src, tbl, k, o, ablk, aligned)
+    got, ref = DP._wrap(o, offs), DP.dispatch_ref(x, src, offs, k, keep_bf16=True,
+                                                  scale_blocks=sb)
     assert_mx_equal(got[0], ref[0], "dispatch rowwise")
     assert_mx_equal(got[1], ref[1], "dispatch colwise")
     assert torch.equal(got[2], ref[2])
@@ -288,24 +302,26 @@ def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_s
 
     h = rnd(m, 2 * hh, scale=3.0)
     o = outs(hh)
-    K.swiglu_fwd(h, src, tbl, o)
-    got, ref = DP._wrap(o, offs), DP.swiglu_ref(h, src, offs, keep_bf16=True)
+    K.swiglu_fwd(h, src, tbl, o, ablk, aligned)
+    got, ref = DP._wrap(o, offs), DP.swiglu_ref(h, src, offs, keep_bf16=True, scale_blocks=sb)
     assert torch.equal(got[2], ref[2]), "swiglu BF16"
     assert_mx_equal(got[0], ref[0], "swiglu rowwise")
     assert_mx_equal(got[1], ref[1], "swiglu colwise")
 
     da = rnd(m, hh)
     o = outs(2 * hh)
-    K.swiglu_bwd(da, h, src, tbl, o)
+    K.swiglu_bwd(da, h, src, tbl, o, ablk, aligned)
     got = DP._wrap(o, offs)
-    ref = DP.swiglu_backward_ref(da, h, src, offs, keep_bf16=True)
+    ref = DP.swiglu_backward_ref(da, h, src, offs, keep_bf16=True, scale_blocks=sb)
     if exact_silu_bwd:
         assert torch.equal(got[2], ref[2]), "swiglu backward BF16"
     else:  # the CPU's silu_backward evaluates its exp differently: 1 BF16 ulp
         torch.testing.assert_close(got[2], ref[2], rtol=2**-7, atol=1e-30)
     # the quantized copies are the contract's quantization of the kernel's own BF16 values
-    assert_mx_equal(got[0], R.quantize_rowwise_ref(got[2], offs=offs), "swiglu bwd rowwise")
-    assert_mx_equal(got[1], R.quantize_colwise_ref(got[2], offs=offs), "swiglu bwd colwise")
+    assert_mx_equal(got[0], R.quantize_rowwise_ref(got[2], offs=offs, scale_blocks=sb),
+                    "swiglu bwd rowwise")
+    assert_mx_equal(got[1], R.quantize_colwise_ref(got[2], offs=offs, scale_blocks=sb),
+                    "swiglu bwd colwise")
     if exact_silu_bwd:
         assert_mx_equal(got[0], ref[0], "swiglu bwd rowwise vs ref")
 
@@ -318,9 +334,9 @@ def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_s
     dout = rnd(t, d)
     o = outs(d)
     part = torch.full((-(-d // K.COL_TILE), m), float("nan"), device=device)
-    K.combine_bwd(dout, y, w, src, tbl, k, o, part)
+    K.combine_bwd(dout, y, w, src, tbl, k, o, part, ablk, aligned)
     got = DP._wrap(o, offs)
-    ref = DP.combine_backward_ref(dout, y, src, rows, w, offs, keep_bf16=True)
+    ref = DP.combine_backward_ref(dout, y, src, rows, w, offs, keep_bf16=True, scale_blocks=sb)
     assert torch.equal(got[2], ref[2]), "combine backward BF16"
     assert_mx_equal(got[0], ref[0], "combine bwd rowwise")
     assert_mx_equal(got[1], ref[1], "combine bwd colwise")
@@ -330,13 +346,21 @@ def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_s
 
 @pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
                     reason="Triton interpreter run (CPU machine with Triton installed)")
-def test_kernels_interpreter(gen):
+@pytest.mark.parametrize("case", [
+    ((37, 2, 5, 96, 64, 16), "1x32"),
+    # 1x128: D = 160 ends in a partial 128-block; H = 96 makes the [dgate | dup] row's blocks
+    # straddle its halves (the joint SwiGLU backward); align 16 and 128 (the layer's)
+    ((37, 2, 5, 160, 96, 16), "1x128"),
+    ((70, 2, 3, 128, 128, 128), "1x128"),
+], ids=lambda c: "T{}k{}E{}D{}H{}a{}".format(*c[0]) + "-" + c[1])
+def test_kernels_interpreter(gen, case):
     """In a subprocess: the interpreter must be chosen before Triton is first imported (which
     torch.compile in this process may already have done for its own kernels)."""
+    shape, sb = case
     seed = int(torch.randint(2**62, (1,), generator=gen))
     code = ("import torch; from tests.test_datapath import check_kernels_against_references as c;"
-            f"c(torch.Generator().manual_seed({seed}), 'cpu', 37, 2, 5, 96, 64, 16, "
-            "exact_silu_bwd=False)")
+            f"c(torch.Generator().manual_seed({seed}), 'cpu', *{shape!r}, "
+            f"exact_silu_bwd=False, scale_blocks={sb!r})")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parent.parent
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
@@ -349,8 +373,73 @@ def test_kernels_interpreter(gen):
 @pytest.mark.parametrize("shape", [(37, 2, 5, 96, 64, 16), (300, 8, 16, 256, 160, 16),
                                    (1000, 2, 8, 1024, 512, 128), (513, 4, 7, 160, 96, 1)],
                          ids=lambda s: "T{}k{}E{}D{}H{}a{}".format(*s))
-def test_gpu_kernels_bit_exact(gen, shape):
-    check_kernels_against_references(gen, "cuda", *shape)
+@pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
+def test_gpu_kernels_bit_exact(gen, shape, scale_blocks):
+    check_kernels_against_references(gen, "cuda", *shape, scale_blocks=scale_blocks)
+
+
+def check_routed_experts_kernels(gen, device, precision, scale_blocks, backend,
+                                 shape=(1000, 2, 8, 512, 384), exact_backward=True):
+    """The whole routed-expert block with the Triton data path vs with its PyTorch references
+    (the same GEMMs of ``backend``): the output bit for bit; the gradients bit for bit where the
+    SwiGLU backward is (``exact_backward``: the GPU), else close; the routing-weight gradient
+    (its features summed in another order) within 1 BF16 ulp."""
+    t, k, e, d, hh = shape
+    ids, counts = make_routing(gen, t, k, e)
+    align = {"bf16": 1, "1x32": 16, "1x128": 128}["bf16" if precision == "bf16" else scale_blocks]
+    rows, src, offs = (v.to(device) for v in DP.route_layout(ids, counts, align))
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, BF16)
+
+    inputs = (rnd(t, d), rnd(e, 2 * hh, d, scale=d**-0.5), rnd(e, d, hh, scale=hh**-0.5),
+              torch.rand(t, k, generator=gen).to(device))
+    dout = rnd(t, d)
+    res = []
+    use_triton = DP.use_triton
+    try:
+        for kernels in (True, False):
+            DP.use_triton = lambda _t, _backend, on=kernels: on  # noqa: E731
+            leaves = [v.clone().requires_grad_() for v in inputs]
+            out = DP.routed_experts(*leaves, rows, src, offs, precision=precision,
+                                    scale_blocks=scale_blocks, backend=backend)
+            out.backward(dout)
+            res.append([out] + [v.grad for v in leaves])
+    finally:
+        DP.use_triton = use_triton
+    for name, a, b in zip(["out", "dx", "dw_gu", "dw_dn", "dweights"], *res, strict=True):
+        if name == "out" or (exact_backward and name != "dweights"):
+            assert torch.equal(a, b), name
+        elif name == "dweights" and exact_backward:
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)
+        else:  # 1-ulp SwiGLU-backward differences, re-quantized downstream
+            err = (a.float() - b.float()).norm() / b.float().norm()
+            assert err < 2**-4, (name, float(err))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("precision,scale_blocks", [("mxfp8", "1x32"), ("mxfp8", "1x128"),
+                                                   ("bf16", "1x32")])
+def test_gpu_routed_experts_kernels_equal_references(gen, precision, scale_blocks):
+    check_routed_experts_kernels(gen, "cuda", precision, scale_blocks, "auto")
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
+                    reason="Triton interpreter run (CPU machine with Triton installed)")
+@pytest.mark.parametrize("precision,scale_blocks", [("mxfp8", "1x32"), ("mxfp8", "1x128")])
+def test_routed_experts_kernels_interpreter(gen, precision, scale_blocks):
+    """`check_routed_experts_kernels` on the CPU: the Triton kernels in the interpreter, the
+    reference GEMMs (a subprocess, as `test_kernels_interpreter`)."""
+    seed = int(torch.randint(2**62, (1,), generator=gen))
+    code = ("import torch; from tests.test_datapath import check_routed_experts_kernels as c;"
+            f"c(torch.Generator().manual_seed({seed}), 'cpu', {precision!r}, {scale_blocks!r}, "
+            "'reference', shape=(45, 2, 3, 128, 160), exact_backward=False)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, (seed, res.stderr[-3000:])
 
 
 def _fwd_bwd(module, x, dy):
@@ -364,12 +453,14 @@ def _fwd_bwd(module, x, dy):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
-def test_gpu_deterministic_and_cuda_graph(gen, precision):
+@pytest.mark.parametrize("precision,scale_blocks", [("mxfp8", "1x32"), ("bf16", "1x32"),
+                                                   ("mxfp8", "1x128")])
+def test_gpu_deterministic_and_cuda_graph(gen, precision, scale_blocks):
     """Two forward+backward runs bitwise identical; the same step replayed from a CUDA graph
     gives the same bits again (capturable: no host sync, static sizes)."""
     torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-    mod = MXFP8MoE(1024, 512, 8, 2, precision=precision, device="cuda")
+    mod = MXFP8MoE(1024, 512, 8, 2, precision=precision, scale_blocks=scale_blocks,
+                   device="cuda")
     x = torch.randn(2048, 1024, generator=gen).to("cuda", BF16)
     dy = torch.randn(2048, 1024, generator=gen).to("cuda", BF16)
     a = _fwd_bwd(mod, x, dy)

@@ -451,13 +451,15 @@ def test_gpu_no_host_sync(rng, precision, new):
 def test_group_alignment_padding_changes_no_result(rng):
     """The MXFP8 path pads every expert group to 16 rows (Hopper wgrad TMA alignment); the
     output and every gradient must equal the unpadded computation exactly (reference backend)."""
+    from moe_mxfp8 import datapath as DP
     from moe_mxfp8.moe import GROUP_ALIGN_ROWS, _padded_extent
     from moe_mxfp8.ops import grouped_mm
 
     mx = MXFP8MoE(64, 96, 5, 2, backend="reference")
     x = torch.randn(37, 64, generator=rng).to(BF16)
     counts = torch.tensor([0, 17, 33, 1, 23])
-    rows, offs = mx._aligned_rows(counts, int(counts.sum()))
+    ids = torch.repeat_interleave(torch.arange(5), counts)[torch.randperm(74, generator=rng)]
+    rows, _, offs = DP.route_layout(ids.view(37, 2), counts, GROUP_ALIGN_ROWS)
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), offs[:-1]])
     assert (starts % GROUP_ALIGN_ROWS == 0).all()
     assert int(offs[-1]) == _padded_extent(74, 5) and int(offs[-1]) % GROUP_ALIGN_ROWS == 0
@@ -483,3 +485,31 @@ def test_group_alignment_padding_changes_no_result(rng):
     assert torch.equal(y, y_ref)
     assert torch.equal(dx, xa.grad)
     assert torch.equal(pg["w_gate_up"], w_gu.grad) and torch.equal(pg["w_down"], w_dn.grad)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_router_bf16_gemm_matches_the_fp32_router():
+    """BF16 x and router weight on CUDA: one BF16 GEMM with fp32 accumulation (exact products)
+    gives the fp32 router's logits up to summation order and picks the same experts; its
+    backward (the logits' gradient rounded to BF16 once) is within BF16 rounding of fp32's."""
+    from moe_mxfp8.moe import router_logits
+
+    gen = torch.Generator().manual_seed(0)
+    t, d, e, k = 8192, 2048, 64, 8
+    x = torch.randn(t, d, generator=gen).to("cuda", BF16)
+    w = (torch.randn(e, d, generator=gen) * d**-0.5).to("cuda", BF16)
+    g = torch.randn(t, e, generator=gen).cuda()
+    xa, wa, xr, wr = (v.clone().requires_grad_() for v in (x, w, x, w))
+    logits = router_logits(xa, wa)
+    ref = F.linear(xr.float(), wr.float())
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    same = (logits.topk(k).indices.sort(1).values == ref.topk(k).indices.sort(1).values)
+    assert same.float().mean() >= 0.999, same.float().mean()  # near-ties may swap
+    (logits * g).sum().backward()
+    (ref * g).sum().backward()
+    for got, want in ((xa.grad, xr.grad), (wa.grad, wr.grad)):
+        assert got.dtype == BF16
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert err < 2**-7, err
