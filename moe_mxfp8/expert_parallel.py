@@ -18,11 +18,10 @@ own: NCCL on GPUs, gloo on CPUs)::
               rows of the local experts' expert-sorted layout (`make_plan`: expert j's group
               holds the pairs of source 0, then 1, ... -- the single-GPU order of the
               concatenated batch; groups start on multiples of 16 rows, 128 for the 1x128
-              recipe, as on one GPU). With the lean data path (`moe_mxfp8.datapath`, 1x32 and
-              32x32 recipes, BF16 twin) this landing is its dispatch, fused with the MXFP8
+              recipe, as on one GPU). This landing is the lean data path's dispatch
+              (`moe_mxfp8.datapath`, every recipe and the BF16 twin), fused with the MXFP8
               quantization of the GEMM operands: the received rows enter its routed-expert
-              block as tokens with one slot of weight 1; otherwise a scatter into a zero-padded
-              buffer and the layer's grouped GEMMs.
+              block as tokens with one slot of weight 1.
     experts   the local experts' SwiGLU on that layout, the single-GPU layer's code path
     combine   output rows back to their source rank in BF16 (all_to_all_single), un-permuted
               and weighted there exactly as on one GPU.
@@ -66,7 +65,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
@@ -162,7 +160,7 @@ def make_plan(counts: Tensor, group, align: int) -> _Plan:
                                     output_size=r)
     land = dest_start[chunk] + torch.arange(r, device=counts.device) - src_start[chunk]
     ends = torch.cumsum(grp, 0)
-    # the last group absorbs the slack up to the static extent (as MXFP8MoE._aligned_rows)
+    # the last group absorbs the slack up to the static extent (as datapath.route_layout)
     offs = torch.cat([ends[:-1], ends.new_full((1,), m)]).to(torch.int32)
     return _Plan(group, send_splits, recv_splits, land, offs, m)
 
@@ -217,27 +215,31 @@ def _send_rows(x: Tensor, index: Tensor, payload: str, backend: str, plan: _Plan
 
 
 class _Dispatch(torch.autograd.Function):
-    """``x (T, D)`` -> ``(R, D)`` BF16: the pairs ``x[src_index]`` this rank's experts receive, in
-    arrival order (source-major, then expert). Backward returns their gradients in BF16 and sums
-    the k copies of each token."""
+    """``x (T, D)`` -> ``(R, D)`` BF16: the pairs ``x[order // k]`` this rank's experts receive,
+    in arrival order (source-major, then expert); ``order`` is the stable expert sort of the
+    ``T k`` (token, slot) pairs. Backward returns their gradients in BF16 and sums the k copies
+    of each token."""
 
     @staticmethod
-    def forward(ctx, x, src_index, plan, payload, backend):
-        ctx.plan, ctx.t, ctx.dtype = plan, x.shape[0], x.dtype
-        ctx.save_for_backward(src_index)
-        return _send_rows(x, src_index, payload, backend, plan, reverse=False)
+    def forward(ctx, x, order, k, plan, payload, backend):
+        ctx.plan, ctx.t, ctx.k, ctx.dtype, ctx.backend = plan, x.shape[0], k, x.dtype, backend
+        ctx.save_for_backward(order)
+        return _send_rows(x, order // k, payload, backend, plan, reverse=False)
 
     @staticmethod
     def backward(ctx, grad):
-        (src_index,) = ctx.saved_tensors
+        (order,) = ctx.saved_tensors
         plan = ctx.plan
         back = _all_to_all(grad.to(COMPUTE_DTYPE), sum(plan.send_splits), plan.send_splits,
                            plan.recv_splits, plan.group)  # (T k, D): the pairs' gradients
-        dx = back.new_zeros(ctx.t, back.shape[1])
-        # The k copies of a token summed in the same op and order as the gather's backward on
-        # one GPU (index_put with accumulate).
-        dx.index_put_((src_index,), back, accumulate=True)
-        return dx.to(ctx.dtype), None, None, None, None
+        # The k copies of a token summed as on one GPU (`datapath.dispatch_backward`: fp32, slot
+        # order, BF16 once; no atomics). rows[t, j]: the row of back holding pair (t, j). Not
+        # index_put_(accumulate=True): on CUDA it range-checks its index on the host (two syncs).
+        rows = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device))
+        rows = rows.to(torch.int32).view(ctx.t, ctx.k)  # int32, as `datapath.route_layout`'s
+        dx = DP.dispatch_backward(back, rows, backend=ctx.backend)
+        return dx.to(ctx.dtype), None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -264,28 +266,21 @@ class _Combine(torch.autograd.Function):
 
 def _local_experts(layer, x_recv: Tensor, plan: _Plan) -> Tensor:
     """The local experts on the received pairs ``(R, D)`` -> their outputs ``(R, D)`` BF16, on
-    the same code path the single-GPU layer takes (`MXFP8MoE.forward`)."""
-    if layer.precision == "bf16" or getattr(layer, "scale_blocks", "1x32") in DP.WEIGHT_BLOCKS:
-        # The lean data path's routed-expert block, each received pair a "token" with one slot
-        # of weight 1: its dispatch lands row i at plan.land[i] (quantizing on the way), its
-        # combine returns y[land[i]] (bf16(y * 1) summed once: exact) -- and its backward takes
-        # dy rows as they come (bf16(dy * 1)).
-        r = x_recv.shape[0]
-        ar = torch.arange(r, device=x_recv.device)
-        src = torch.full((plan.rows,), -1, dtype=torch.int32, device=x_recv.device)
-        src = src.index_put_((plan.land,), ar.to(torch.int32))
-        ones = torch.ones(r, 1, dtype=torch.float32, device=x_recv.device)
-        return DP.routed_experts(
-            x_recv, layer.w_gate_up.to(COMPUTE_DTYPE), layer.w_down.to(COMPUTE_DTYPE), ones,
-            plan.land.to(torch.int32).view(r, 1), src, plan.offs, precision=layer.precision,
-            backend=layer.backend, wgrad=layer.wgrad, weight_blocks=layer.weight_blocks,
-        )
-    # Recipes outside the lean path (1x128): land in the padded layout, the layer's grouped GEMMs.
-    x_sorted = x_recv.new_zeros(plan.rows, x_recv.shape[1])
-    x_sorted[plan.land] = x_recv  # padding rows stay zero
-    h = layer._expert_mm(x_sorted, layer.w_gate_up, plan.offs)  # (M, 2H)
-    gate, up = rearrange(h, "m (two h) -> two m h", two=2)
-    return layer._expert_mm(F.silu(gate) * up, layer.w_down, plan.offs)[plan.land]
+    the same code path the single-GPU layer takes (`MXFP8MoE.forward`): the lean data path's
+    routed-expert block, each received pair a "token" with one slot of weight 1. Its dispatch
+    lands row i at plan.land[i] (quantizing on the way), its combine returns y[land[i]]
+    (bf16(y * 1) summed once: exact) -- and its backward takes dy rows as they come
+    (bf16(dy * 1))."""
+    r = x_recv.shape[0]
+    ar = torch.arange(r, device=x_recv.device)
+    src = torch.full((plan.rows,), -1, dtype=torch.int32, device=x_recv.device)
+    src = src.index_put_((plan.land,), ar.to(torch.int32))
+    ones = torch.ones(r, 1, dtype=torch.float32, device=x_recv.device)
+    return DP.routed_experts(
+        x_recv, layer.w_gate_up.to(COMPUTE_DTYPE), layer.w_down.to(COMPUTE_DTYPE), ones,
+        plan.land.to(torch.int32).view(r, 1), src, plan.offs, precision=layer.precision,
+        backend=layer.backend, wgrad=layer.wgrad, scale_blocks=layer.scale_blocks,
+    )
 
 
 def ep_forward(layer, x: Tensor) -> Tensor:
@@ -301,7 +296,7 @@ def ep_forward(layer, x: Tensor) -> Tensor:
     order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
     align = layer.group_align_rows if layer.precision == "mxfp8" else 1
     plan = make_plan(counts, layer.ep_group, align)
-    x_recv = _Dispatch.apply(x_flat, order // k, plan, layer.ep_payload, layer.backend)
+    x_recv = _Dispatch.apply(x_flat, order, k, plan, layer.ep_payload, layer.backend)
     y_recv = _local_experts(layer, x_recv, plan)  # (R, D)
     y_local = _Combine.apply(y_recv, plan, layer.ep_grad_payload, layer.backend)  # (T*k, D)
 

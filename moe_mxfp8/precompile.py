@@ -10,6 +10,11 @@ switches once the routed rows reach 256 per expert: pass the token counts you tr
 Compiled kernels go to the persistent kernel cache (`moe_mxfp8.kernels.compile_cache`:
 ``$MOE_MXFP8_CACHE_DIR``, default ``~/.cache/moe_mxfp8``; ``MOE_MXFP8_DISABLE_CACHE=1`` turns
 it off), so a later process loads them in milliseconds instead of compiling them again.
+
+A later process's first step still pays one-time costs that are not kernels (measured on an
+H100, docs/NOTES.md): CuTeDSL's import, ``torch._dynamo`` (imported by the first call of a torch
+custom op), Triton's per-process cache key, cuBLAS set-up. The warm-up pass here pays them as
+well, so the first training step after `precompile` runs at full speed.
 """
 
 from __future__ import annotations

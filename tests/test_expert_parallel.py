@@ -208,6 +208,34 @@ def test_expert_parallel_matches_single_process(gen, ws):
     mp.spawn(_worker, args=(ws, _free_port(), seed), nprocs=ws, join=True)
 
 
+def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
+    """The dispatch's backward sums a token's k pair gradients as the single-GPU data path
+    does (`datapath.dispatch_backward`: fp32 in slot order, BF16 once), for k > 2 too -- not a
+    BF16 running sum (and with no index_put accumulate, which syncs on CUDA). gloo, world 1."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    from moe_mxfp8 import datapath as DP
+
+    _init(0, 1, _free_port(), "gloo")
+    try:
+        t, k, e, d = 37, 4, 8, 64
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        counts = torch.bincount(ids.reshape(-1), minlength=e)
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        plan = EP.make_plan(counts, dist.group.WORLD, 16)
+        x = torch.randn(t, d, generator=gen).to(BF16).requires_grad_()
+        got = EP._Dispatch.apply(x, order, k, plan, "bf16", "reference")
+        assert torch.equal(got, x.detach()[order // k])  # pairs in expert order
+        g = (torch.randn(t * k, d, generator=gen) * 10 ** torch.randn(t * k, 1, generator=gen))
+        got.backward(g.to(BF16))
+        pos = torch.empty_like(order).scatter_(0, order, torch.arange(t * k)).view(t, k)
+        want = sum(g.to(BF16)[pos[:, j]].float() for j in range(k)).to(BF16)
+        assert torch.equal(x.grad, want)
+        assert torch.equal(x.grad, DP.dispatch_backward(g.to(BF16), pos, backend="reference"))
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
 # The torchtitan-shaped experts module and the swap example (single process)
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +271,7 @@ def test_grouped_experts_is_mxfp8moe_expert_path(gen):
     """MXFP8MoE's layer rebuilt torchtitan-style (route, permute into the padded layout, call
     the experts module with the padded counts, un-permute, weigh) with `MXFP8GroupedExperts`
     holding the same weights as w1/w3/w2: output and every gradient bit-identical."""
+    from moe_mxfp8 import datapath as DP
     from moe_mxfp8.experts import MXFP8GroupedExperts
 
     torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
@@ -262,7 +291,8 @@ def test_grouped_experts_is_mxfp8moe_expert_path(gen):
     xa = x.clone().requires_grad_()
     weights, ids, counts, _ = mx._route(xa)
     order = torch.argsort(ids.reshape(-1), stable=True)
-    rows, offs = mx._aligned_rows(counts, t * k)
+    rows, _, offs = DP.route_layout(ids, counts, mx.group_align_rows)  # the layer's layout
+    rows = rows.reshape(-1)[order].long()  # padded-buffer row of each sorted pair
     x_sorted = xa.new_zeros(int(offs[-1]), d)
     x_sorted[rows] = xa[order // k]
     padded = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())

@@ -84,7 +84,7 @@ def bench_shape(shape, tokens: int, group) -> dict:
     for payload in ("mxfp8", "bf16"):
         plan = EP.make_plan(counts, group, 16)
         res[f"dispatch_ms_{payload}"] = time_ms(
-            lambda p=payload, pl=plan: EP._Dispatch.apply(x, src, pl, p, BACKEND))
+            lambda p=payload, pl=plan: EP._Dispatch.apply(x, order, k, pl, p, BACKEND))
         send = (EP.pack_mxfp8_rows(x, src, BACKEND) if payload == "mxfp8"
                 else x[src].contiguous())
         res[f"a2a_ms_{payload}"] = time_ms(
@@ -153,9 +153,9 @@ def main() -> None:
                   f"{r['step_ms_one_gpu_all_experts']:8.1f}/{r['step_ms_ep_mxfp8']:.1f}/"
                   f"{r['step_ms_ep_bf16']:.1f}/{r['step_ms_ep_mxfp8_grad_mxfp8']:.1f}")
         if args.json:
+            gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
             with open(args.json, "w") as f:
-                gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
-            json.dump({"rows": rows, "gpu": gpu}, f, indent=1)
+                json.dump({"rows": rows, "gpu": gpu}, f, indent=1)
     dist.destroy_process_group()
 
 

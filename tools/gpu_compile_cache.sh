@@ -9,6 +9,8 @@
 #           (torch's own first-use costs), to show what the warm first step is made of
 # then the GPU test (tests/test_compile_cache.py -m gpu). Logs and a table land in $OUT.
 # MODES="cold split" bash tools/gpu_compile_cache.sh runs a subset (the test with "test").
+# The finer split of a second process's first step (imports, torch/Triton first use, profiles)
+# is tools/gpu_first_run.sh; its short re-check with bytecode caches, gpu_first_run_verify.sh.
 set -uo pipefail
 source tools/device_prelude.sh name,driver_version
 CACHE=$(mktemp -d)

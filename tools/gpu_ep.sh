@@ -17,6 +17,7 @@ print('router rows independent of M:', all(torch.equal(full[a:b], torch.nn.funct
 echo "== EP GPU tests (NCCL, world size 1; the 2/4-GPU test skips)"
 timeout "${EP_TEST_TIMEOUT:-70}" python -m pytest -q -m gpu -s -p no:cacheprovider \
   tests/test_expert_parallel.py 2>&1 | tee "$OUT/tests.txt" | tail -25
+grep -h "host sync" "$OUT/tests.txt" | cut -c1-600  # which syncs, when the count is off
 echo "== EP dispatch and step timing (NCCL, world size 1)"
 timeout "${EP_BENCH_TIMEOUT:-30}" python tools/ep_bench.py --shapes "${EP_SHAPES:-qwen3,dsv3}" \
   --tokens "${EP_TOKENS:-8192}" --json "$OUT/ep.json" 2>&1 | tee "$OUT/bench.txt"
