@@ -36,8 +36,8 @@ FP8 columnwise copies of the dispatched ``x`` and of ``a`` (wgrad operands), ``h
 the SwiGLU backward) and ``y`` (BF16, for the routing-weight gradient); with BF16 weight
 gradients (``wgrad="bf16"`` or the BF16 twin) BF16 copies of ``x`` and ``a`` instead. The expert
 weights are quantized once per step along each axis the GEMMs need (along K in forward, along N
-in backward). The expert GEMMs are `moe_mxfp8.gemm.grouped_mm_m` / ``grouped_mm_k`` (MXFP8) or
-``torch._grouped_mm`` (BF16 twin).
+in backward). The expert GEMMs are `moe_mxfp8.grouped_gemm.grouped_mm_m` / ``grouped_mm_k``
+(MXFP8) or ``torch._grouped_mm`` (BF16 twin).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from torch import Tensor
 from . import layout as L
 from . import reference as R
 from .backend import _warn_once
-from .gemm import grouped_mm_k, grouped_mm_m
+from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .mx_tensor import MXFP8Tensor
 from .quantize import quantize_weights
 
@@ -458,7 +458,7 @@ def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, o
     and the saved FP8 operand, ``qcol``) or the BF16 ones (``dyb`` and the saved int16 bits)."""
     if qcol:
         col = MXFP8Tensor(saved.view(FP8), saved_scale, "packed", offs, "k")
-        return grouped_mm_k(dyc, col, offs, out_dtype=BF16, backend=backend, groups_aligned=True)
+        return grouped_mm_k(dyc, col, offs, out_dtype=BF16, backend=backend, aligned_groups=True)
     return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)
 
 

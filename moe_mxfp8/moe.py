@@ -41,16 +41,16 @@ from torch import nn
 
 from . import datapath as DP
 from . import expert_parallel as EP
-from .backend import check_backend_name
-from .ops import (
+from .autograd import (
     WGRAD_MODES,
-    WGRAD_ROW_ALIGN,
     check_layer_dims,
     check_mxfp8_dims,
     check_weight_blocks,
     grouped_mm,
     resolve_scale_blocks,
 )
+from .backend import check_backend_name
+from .kernels.mx_format import K_GROUP_ALIGN
 
 PRECISIONS = ("mxfp8", "bf16")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -64,7 +64,7 @@ TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 
 # benchmarks/RESULTS.md). Zero rows change no result: a group's last 32-block is zero-padded by
 # the contract anyway, round_up(m, 16) <= round_up(m, 32) keeps every group's block count, and
 # all-zero blocks (scale byte 0, data 0) add exact zeros.
-GROUP_ALIGN_ROWS = WGRAD_ROW_ALIGN  # one constant: the wgrad kernel's token alignment
+GROUP_ALIGN_ROWS = K_GROUP_ALIGN  # one constant: the wgrad kernel's token alignment
 # scale_blocks="1x128": groups padded to 128 rows, so each 128-token k-tile of the wgrad GEMM is
 # one whole 1x128 block of one group (no partial last block, no tail fix-up in the kernel);
 # exact for the same reason (a zero row never raises a block's amax)

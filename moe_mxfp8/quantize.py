@@ -65,9 +65,9 @@ def _colwise_ref(x: torch.Tensor, rounding: str, scale_layout: str, offs,
 
 
 def _kernel(op: str, backend: str):
-    from .kernels import lookup  # noqa: PLC0415  (CuTeDSL is imported only when a kernel runs)
+    from .kernels import quantize  # noqa: PLC0415  (CuTeDSL is imported only when a kernel runs)
 
-    return lookup(op, backend)
+    return getattr(quantize, op)
 
 
 def _to_dense(t: MXFP8Tensor) -> MXFP8Tensor:

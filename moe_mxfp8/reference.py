@@ -2,7 +2,7 @@
 
 These functions *define* the bytes the quantizer kernels must produce and the values the GEMM
 kernels are tested against (``docs/numerics.md``). They validate nothing: the public
-entry points in `moe_mxfp8.quantize` / `moe_mxfp8.ops` check arguments and then call these.
+entry points in `moe_mxfp8.quantize` / `moe_mxfp8.autograd` check arguments and then call these.
 
 Scale exponents come from the integer bits of ``amax`` (never ``log2``/``ceil`` in floating
 point, which are wrong a few ulp above a power of two)::

@@ -26,7 +26,7 @@ elif [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests"
   timeout ${TEST_TIMEOUT:-100} python -m pytest -q -m gpu -p no:cacheprovider -k 1x128 \
     tests/kernels/test_grouped_gemm_sm90.py \
-    "tests/test_ops.py::test_gpu_scale_blocks_1x128_matches_bf16_grouped_mm[4096x1024x2048x8]" \
+    "tests/test_autograd.py::test_gpu_scale_blocks_1x128_matches_bf16_grouped_mm[4096x1024x2048x8]" \
     2>&1 | grep -v "Warn\|range_constexpr" | tail -25 | tee "$OUT/tests.txt"
 fi
 echo "== benchmark"
