@@ -41,17 +41,7 @@ from .kernels.mx_format import (  # noqa: F401  (the format's constants, re-expo
     SCALE_BLOCKS,
     WEIGHT_BLOCK_ROWS,
 )
-from .mx_tensor import MXFP8Tensor
-
-
-def e8m0_to_float32(b: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 bytes -> float32 ``2^(b-127)``; 0xFF -> NaN. Exact (built from the bits)."""
-    bi = b.to(torch.int32)
-    # b = 0 is 2^-127, an fp32 subnormal: bit pattern 0x00400000.
-    normal = (bi << 23).view(torch.float32)
-    val = torch.where(bi == 0, torch.tensor(0x00400000, dtype=torch.int32, device=b.device)
-                      .view(torch.float32), normal)
-    return torch.where(bi == E8M0_NAN, torch.full_like(val, float("nan")), val)
+from .mx_tensor import MXFP8Tensor, e8m0_to_float32  # noqa: F401  (part of the reference)
 
 
 def _abs_bits(x: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,9 @@ Scale modes: 1x32 x 1x32 (default; the row scale times the column scale is forme
 column scale per 32 output columns, so the 8 distinct products per thread are formed once and
 promotion is one FFMA per element).
 
-The 1x128 recipe (``promote_k = 128``; docs/numerics.md "The 1x128 recipe"): one scale per 128
-elements of the reduced axis on both sides (M-grouped: 128x128 weight tiles), so the 4 wgmmas
-of a k-tile accumulate in the tensor core and the promotion runs once per k-tile -- 4x fewer
+The 1x128 recipe (``scale_blocks="1x128"``; docs/numerics.md "The 1x128 recipe"): one scale
+per 128 elements of the reduced axis on both sides (M-grouped: 128x128 weight tiles), so the 4
+wgmmas of a k-tile accumulate in the tensor core and the promotion runs once per k-tile -- 4x fewer
 FP32 operations (64 FFMA per thread per k-tile M-grouped, + 64 FMUL K-grouped). M-grouped, the
 promotion of k-tile 2p overlaps the wgmmas of 2p+1 (`consumer_k128_overlapped`). The scale
 warps check that the 4 replicated block bytes agree (otherwise the outputs become NaN).
