@@ -8,7 +8,7 @@ set -uo pipefail
 source tools/device_prelude.sh name,driver_version,clocks.sm
 python -c "import torch, pytest; print('torch', torch.__version__, 'pytest', pytest.__version__)"
 declare -A FILES=(
-  [gemm]="tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py tests/kernels/test_selfcheck.py"
+  [gemm]="tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py tests/kernels/test_selfcheck.py"
   [layer]="tests/test_moe.py tests/test_autograd.py tests/test_datapath.py tests/kernels/test_align_k_groups.py"
   [quant]="tests/kernels/test_quantize_kernels.py tests/test_domain.py"
   [rest]="tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py"

@@ -49,7 +49,7 @@ wgmmas of a k-tile accumulate in the tensor core and the promotion runs once per
 FP32 operations (64 FFMA per thread per k-tile M-grouped, + 64 FMUL K-grouped). M-grouped, the
 promotion of k-tile 2p overlaps the wgmmas of 2p+1 (`consumer_k128_overlapped`). The scale
 warps check that the 4 replicated block bytes agree (otherwise the outputs become NaN).
-What limits this variant is measured in docs/NOTES.md ("The 1x128 recipe on Hopper").
+What limits this recipe is measured in docs/NOTES.md ("The 1x128 recipe on Hopper").
 """
 
 from __future__ import annotations
@@ -173,23 +173,24 @@ class GroupedGemmSm90(GroupedGemmBase):
 
     def __init__(self, config: GroupedGemmSm90Config):
         super().__init__(config)
-        self.block32 = config.scale_blocks == "32x32"
+        self.weights_32x32 = config.scale_blocks == "32x32"
         # 1x128 recipe: one promotion per k-tile; with 128x128 weight tiles the scale warps
         # write the row scale x tile scale products, so the promotion is 1 FFMA per element
-        self.k128 = config.scale_blocks == "1x128"
-        self.tile128 = self.k128 and self.is_m
-        self.sblocks = 1 if self.k128 else BLOCKS_PER_KTILE  # scale blocks per stage
+        self.blocks_1x128 = config.scale_blocks == "1x128"
+        self.weights_128x128 = self.blocks_1x128 and self.is_m
+        self.sblocks = 1 if self.blocks_1x128 else BLOCKS_PER_KTILE  # scale blocks per stage
         self.overlap = (self.is_m if config.overlap_promotion is None
                         else config.overlap_promotion)
-        self.hoist_scales = self.block32 if config.hoist_scales is None else config.hoist_scales
+        self.hoist_scales = (self.weights_32x32 if config.hoist_scales is None
+                             else config.hoist_scales)
         self.out_dtype = TORCH_TO_CUTLASS[config.out_dtype]
         self.ab_dtype = cutlass.Float8E4M3FN
         ab_stage_bytes = (TILE_M + TILE_N) * TILE_K
         # 32x32 mode keeps the row x column-group scale products (PROD_STRIDE per block) in
         # the sSFA region instead of the row and column scales (see scale_producer)
-        self.products = self.block32 and config.scale_products is not False
+        self.products = self.weights_32x32 and config.scale_products is not False
         self.sfa_stride = PROD_STRIDE if self.products else SFA_STRIDE
-        self.sfb_stride = 4 if self.products or self.tile128 else SFB_STRIDE
+        self.sfb_stride = 4 if self.products or self.weights_128x128 else SFB_STRIDE
         sf_stage_bytes = self.sblocks * (self.sfa_stride + self.sfb_stride) * 4
         self.stage_bytes = ab_stage_bytes + sf_stage_bytes
         cap = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
@@ -562,7 +563,7 @@ class GroupedGemmSm90(GroupedGemmBase):
                     stage = pos % self.stages
                     # producer phase starts at 1 (make_pipeline_state) and flips per wrap
                     pipe.sync_object_empty.wait(stage, ((pos // self.stages) % 2) ^ 1)
-                    if cutlass.const_expr(self.k128):
+                    if cutlass.const_expr(self.blocks_1x128):
                         self.write_scales_128(sSFA, sSFB, wa, wb, s, stage, lane)
                     elif cutlass.const_expr(self.products):
                         self.write_products(sSFA, wa, wb, s, stage, lane)
@@ -600,7 +601,7 @@ class GroupedGemmSm90(GroupedGemmBase):
         and column scales at ``pos_b(c)`` as in 1x32 mode.
         """
         bt = Float32(1.0)
-        if cutlass.const_expr(self.tile128):
+        if cutlass.const_expr(self.weights_128x128):
             ref = cute.arch.shuffle_sync(wb[0, slot], 0) & 0xFF
             bad = Int32(0)
             for w in cutlass.range_constexpr(4):
@@ -615,7 +616,7 @@ class GroupedGemmSm90(GroupedGemmBase):
             r = lane + 32 * w
             pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
             sa = _e8m0_to_f32(_block128_byte(wa[w, slot]))
-            if cutlass.const_expr(self.tile128):
+            if cutlass.const_expr(self.weights_128x128):
                 sSFA[pos_a, 0, stage] = sa * bt
             else:
                 sSFA[pos_a, 0, stage] = sa
@@ -704,7 +705,7 @@ class GroupedGemmSm90(GroupedGemmBase):
         pos_a = ((cwg * 4 + warp_in_wg) * 8 + lane // 4) * 2
         q = lane % 4
 
-        if cutlass.const_expr(self.k128 and self.overlap):
+        if cutlass.const_expr(self.blocks_1x128 and self.overlap):
             state = self.consumer_k128_overlapped(
                 pipe, state, tiled_mma, acc, tmp0, tmp1, tCrA, tCrB, sA, sB, sSFA, sSFB, ct,
                 pos_a, q, row0, k_tiles, tok_valid_last)
@@ -717,7 +718,7 @@ class GroupedGemmSm90(GroupedGemmBase):
                     if (kt == k_tiles - 1 and tok_valid_last < TILE_K
                             and row0 % TMA_INNER_ALIGN == 0):
                         self.zero_tail(sA, sB, stage, ct, tok_valid_last)
-                if cutlass.const_expr(self.k128):
+                if cutlass.const_expr(self.blocks_1x128):
                     # 1x128: the k-tile's 4 wgmmas accumulate in the tensor core (one scale for
                     # all of them), then one promotion per k-tile. The scales are in smem already
                     # (same full barrier), so they load while the wgmmas run.
@@ -869,7 +870,7 @@ class GroupedGemmSm90(GroupedGemmBase):
         1x32: ``sb`` holds the thread's 32 column scales (8 x 16-byte loads); 32x32: ``sb``
         holds the 8 products row scale x column-group scale (4 column groups x 2 rows).
         """
-        if cutlass.const_expr(self.tile128):
+        if cutlass.const_expr(self.weights_128x128):
             # row scale x tile scale of this thread's rows r0, r0 + 8 (write_scales_128)
             sa0 = sSFA[pos_a, blk, stage]
             sa1 = sSFA[pos_a + 1, blk, stage]
@@ -883,7 +884,7 @@ class GroupedGemmSm90(GroupedGemmBase):
             view = cute.make_tensor(sSFA[(None, blk, stage)].iterator + (pos_a // 2) * 8,
                                     cute.make_layout((2 * (TILE_N // 32),)))
             sb.store(view.load())
-        elif cutlass.const_expr(self.block32):
+        elif cutlass.const_expr(self.weights_32x32):
             sa0 = sSFA[pos_a, blk, stage]
             sa1 = sSFA[pos_a + 1, blk, stage]
             sb = cute.make_rmem_tensor((2 * (TILE_N // 32),), Float32)
@@ -916,9 +917,9 @@ class GroupedGemmSm90(GroupedGemmBase):
                 sa = sa0 if h == 0 else sa1
                 for b in cutlass.range_constexpr(2):
                     i = 4 * q + 2 * h + b
-                    if cutlass.const_expr(self.tile128):
+                    if cutlass.const_expr(self.weights_128x128):
                         acc[i] = acc[i] + tmp[i] * sa
-                    elif cutlass.const_expr(self.block32):
+                    elif cutlass.const_expr(self.weights_32x32):
                         acc[i] = acc[i] + tmp[i] * sb[h * (TILE_N // 32) + q // 4]
                     else:
                         acc[i] = acc[i] + tmp[i] * (sa * sb[q * 2 + b])

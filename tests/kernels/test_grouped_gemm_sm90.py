@@ -19,6 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from gemm_cases import (  # noqa: E402  (tests/kernels is on sys.path under pytest)
+    GROUPINGS,
+    _check,
+    _e128_sizes,
+    _offs,
+    _sizes,
+    _wgrad_operands,
+)
 
 from moe_mxfp8 import reference as R
 
@@ -216,166 +224,9 @@ def test_tile_bounds():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: numerics vs the reference
+# GPU: what only the Hopper kernel has (clusters, its slow copy path, the 1x128 scale check);
+# the numerics every backend shares are in test_grouped_gemm.py
 # ---------------------------------------------------------------------------------------------
-
-GROUPINGS = {
-    "E1": [384],
-    "E8_edge": [0, 1, 31, 129, 0, 200, 7, 0],  # empty / 1 / 31 / 129 / unbalanced
-    "E8_unbal": [1000, 3, 0, 0, 17, 256, 64, 8],
-    # multiples of 16 (wgrad: every group start 16-byte aligned -> TMA path + smem zeroing)
-    "E8_a16": [0, 48, 16, 256, 0, 112, 32, 16],
-}
-
-
-def _e128_sizes(seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(0, 40, (128,), generator=g)
-    sizes[::7] = 0
-    sizes[5] = 129
-    return sizes.tolist()
-
-
-def _sizes(name: str, seed: int) -> list[int]:
-    sizes = _e128_sizes(seed) if name == "E128" else list(GROUPINGS[name])
-    # wgrad needs M % 16 == 0 (TMA row stride); pad the last group
-    pad = (-sum(sizes)) % 16
-    sizes[-1] += pad
-    return sizes
-
-
-def _wgrad_operands(m: int, n: int, k: int, offs: torch.Tensor):
-    """Fresh random dY (M, N) and X (M, K) quantized along the tokens per group: a (N, M),
-    b (K, M), on offs' device."""
-    dy = torch.randn(m, n, device=offs.device, dtype=torch.bfloat16)
-    x = torch.randn(m, k, device=offs.device, dtype=torch.bfloat16)
-    return R.quantize_colwise_ref(dy, offs=offs), R.quantize_colwise_ref(x, offs=offs)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.double()
-    ref = ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _check(out, ref, out_dtype):
-    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN output elements"
-    tol = BF16_TOL if out_dtype == torch.bfloat16 else FP32_TOL
-    err = _rel_err(out, ref)
-    assert err <= tol, f"relative error {err:.3e} > {tol}"
-
-
-def _check_wgrad(out, ref, sizes, out_dtype):
-    """A K-grouped GEMM's ``out (E, N, K)``: empty groups exactly zero, then `_check`."""
-    for g, s in enumerate(sizes):
-        if s == 0:
-            assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
-    _check(out, ref, out_dtype)
-
-
-def _offs(sizes, dev):
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E128"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_rows", [1, 32])
-def test_fprop_matches_reference(grouping, out_dtype, block_rows):
-    dev = "cuda"
-    seed = hash((grouping, str(out_dtype), block_rows)) % 10000
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m, n, k = sum(sizes), 160, 352  # N, K not multiples of 128
-    offs = _offs(sizes, dev)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs)
-    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
-    out = torch.full((m, n), float("nan"), device=dev, dtype=out_dtype)
-    _mm("m", a, b, offs, out_dtype, out=out)
-    ref = R.grouped_mm(a, b, offs, torch.float32)
-    _check(out, ref, out_dtype)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E128"])
-@pytest.mark.parametrize("block_rows", [1, 32])
-def test_dgrad_matches_reference(grouping, block_rows):
-    dev = "cuda"
-    seed = hash(("dgrad", grouping, block_rows)) % 10000
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m, n, k = sum(sizes), 256, 96  # dY (M, N); W (E, N, K); dX (M, K)
-    offs = _offs(sizes, dev)
-    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(dy, offs=offs)
-    b = R.quantize_weights_ref(w, axis="N", block_rows=block_rows)  # data (E, K, N)
-    out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
-    _mm("m", a, b, offs, torch.bfloat16, out=out)
-    ref = R.grouped_mm(a, b, offs, torch.float32)
-    _check(out, ref, torch.bfloat16)
-    # and against the unquantized product: the MXFP8 error itself stays small
-    w32 = w.float()
-    bounds = [0] + offs.tolist()
-    exact = torch.cat([dy[s:t].float() @ w32[g] for g, (s, t) in
-                       enumerate(zip(bounds[:-1], bounds[1:], strict=True))])
-    assert _rel_err(out, exact) < 0.08
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E8_a16", "E128"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_wgrad_matches_reference(grouping, out_dtype):
-    dev = "cuda"
-    seed = hash(("wgrad", grouping, str(out_dtype))) % 10000
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m, n, k = sum(sizes), 160, 288
-    offs = _offs(sizes, dev)
-    a, b = _wgrad_operands(m, n, k, offs)
-    out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=out_dtype)
-    _mm("k", a, b, offs, out_dtype, out=out)
-    ref = R.grouped_mm(a, b, offs, torch.float32)
-    assert not torch.isnan(out).any()
-    _check_wgrad(out, ref, sizes, out_dtype)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-def test_dispatch_and_cuda_graph():
-    """grouped_gemm.grouped_mm_m(backend='sm90') reaches the kernel; a captured graph replays it."""
-    from moe_mxfp8 import grouped_gemm
-
-    dev = "cuda"
-    sizes = [100, 0, 300, 12]
-    offs = _offs(sizes, dev)
-    x = torch.randn(sum(sizes), 128, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(4, 64, 128, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs)
-    b = R.quantize_weights_ref(w, axis="K")
-    out = grouped_gemm.grouped_mm_m(a, b, offs, backend="sm90")
-    ref = R.grouped_mm(a, b, offs, torch.float32)
-    _check(out, ref, torch.bfloat16)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out2 = grouped_gemm.grouped_mm_m(a, b, offs, backend="sm90")
-    # new group sizes, same buffers: the graph reads offs on the GPU
-    offs.copy_(_offs([0, 200, 200, 12], dev))
-    a2 = R.quantize_rowwise_ref(x, offs=offs)
-    a.data.copy_(a2.data)
-    a.scale.copy_(a2.scale)
-    g.replay()
-    torch.cuda.synchronize()
-    _check(out2, R.grouped_mm(a2, b, offs, torch.float32), torch.bfloat16)
 
 
 def _fprop_tuned(offs: torch.Tensor, n: int, k: int, block_rows: int, launch: dict):
@@ -390,32 +241,6 @@ def _fprop_tuned(offs: torch.Tensor, n: int, k: int, block_rows: int, launch: di
     out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
     _mm("m", a, b, offs, torch.bfloat16, out=out, **launch)
     return a, b, out
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("max_ctas", [1, 3])
-@pytest.mark.parametrize("op", ["fprop", "fprop32", "wide_n", "wgrad"])
-def test_persistent_loop_walks_every_tile(op, max_ctas):
-    """Few CTAs, many tiles: each CTA walks several tiles with the pipeline (stage index,
-    phase, scale-warp round-robin) running on across them; K = 1056 gives 9 k-tiles (> the
-    6 stages) per tile, and the groups include empty and partial ones."""
-    dev = "cuda"
-    torch.manual_seed(7 + max_ctas)
-    sizes = _sizes("E8_edge", 3)
-    offs = _offs(sizes, dev)
-    m = sum(sizes)
-    launch = {"max_clusters": max_ctas}
-    if op in ("fprop", "fprop32", "wide_n"):
-        n, k = (288, 1056) if op != "wide_n" else (1056, 288)  # wide_n: 9 n-tiles
-        a, b, out = _fprop_tuned(offs, n, k, 32 if op == "fprop32" else 1, launch)
-    else:
-        n, k = 160, 288
-        a, b = _wgrad_operands(m, n, k, offs)
-        out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.bfloat16)
-        _mm("k", a, b, offs, torch.bfloat16, out=out, **launch)
-    _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
 
 
 @gpu
@@ -446,7 +271,7 @@ def test_cluster_of_two_matches_reference(op, max_ctas):
         # aligned_groups=True on unaligned starts (E8_edge) takes the slow copy path; the
         # default re-lays the groups out for TMA
         _mm("k", a, b, offs, torch.bfloat16, out=out, **launch,
-                       aligned_groups=op == "wgrad_unaligned")
+            aligned_groups=op == "wgrad_unaligned")
     _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
 
 
@@ -477,57 +302,6 @@ def test_wgrad_unaligned_groups_relayout_equals_slow_path(grouping):
 # ---------------------------------------------------------------------------------------------
 # the 1x128 recipe (promotion once per k=128): GPU numerics vs the fp32 reference
 # ---------------------------------------------------------------------------------------------
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E128"])
-@pytest.mark.parametrize("op,out_dtype", [("fprop", torch.bfloat16), ("fprop", torch.float32),
-                                          ("dgrad", torch.bfloat16)])
-def test_1x128_m_grouped_matches_reference(grouping, op, out_dtype):
-    """1x128 activations x 128x128 weight tiles; N = 160 and K = 352 (fprop) or N = 256,
-    K = 96 (dgrad) leave partial 128-blocks and partial weight tiles. Tolerance as the 1x32
-    tests: rel. Frobenius error vs the fp32 GEMM of the same quantized operands <= 5e-3 (bf16
-    output rounding) / 1e-3 (fp32 output: accumulation order only)."""
-    dev = "cuda"
-    seed = 7 + len(grouping) * 31 + (op == "dgrad") * 3 + (out_dtype == torch.float32)
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m = sum(sizes)
-    n, k, axis = (160, 352, "K") if op == "fprop" else (256, 96, "N")
-    offs = _offs(sizes, dev)
-    x = torch.randn(m, k if op == "fprop" else n, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks="1x128")
-    b = R.quantize_weights_ref(w, axis=axis, block_rows=128)
-    cols = n if op == "fprop" else k
-    out = torch.full((m, cols), float("nan"), device=dev, dtype=out_dtype)
-    _mm("m", a, b, offs, out_dtype, out=out)
-    _check(out, R.grouped_mm(a, b, offs, torch.float32), out_dtype)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E8_a16", "E128"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_1x128_wgrad_matches_reference(grouping, out_dtype):
-    """Both operands 1x128 along the tokens (blocks restart per group, partial last blocks);
-    unaligned groups go through the host re-layout; empty groups must be zeros."""
-    dev = "cuda"
-    seed = 11 + len(grouping) * 17 + (out_dtype == torch.float32)
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m, n, k = sum(sizes), 160, 288
-    offs = _offs(sizes, dev)
-    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    a = R.quantize_colwise_ref(dy, offs=offs, scale_blocks="1x128")
-    b = R.quantize_colwise_ref(x, offs=offs, scale_blocks="1x128")
-    out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=out_dtype)
-    _mm("k", a, b, offs, out_dtype, out=out, scale_blocks="1x128")
-    _check_wgrad(out, R.grouped_mm(a, b, offs, torch.float32), sizes, out_dtype)
 
 
 @gpu
