@@ -13,7 +13,7 @@ declare -A FILES=(
   [quant]="tests/kernels/test_quantize_kernels.py tests/test_domain.py"
   [rest]="tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py"
 )
-declare -A LIMIT=([gemm]=100 [layer]=110 [quant]=70 [rest]=50)
+declare -A LIMIT=([gemm]=${LIMIT_GEMM:-240} [layer]=${LIMIT_LAYER:-240} [quant]=${LIMIT_QUANT:-150} [rest]=${LIMIT_REST:-120})
 for g in ${SUITES:-gemm layer quant rest}; do
   echo "== $g: ${FILES[$g]}"
   timeout "${LIMIT[$g]}" python -m pytest -q -m gpu -p no:cacheprovider -rfE ${FILES[$g]} \

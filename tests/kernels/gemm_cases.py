@@ -65,3 +65,14 @@ def _check_wgrad(out, ref, sizes, out_dtype):
 
 def _offs(sizes, dev):
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+
+
+def fprop_case(offs: torch.Tensor, n: int, k: int, block_rows: int):
+    """Fresh random fprop operands on offs' device -- X (M, K) rowwise, W (E, N, K) with
+    ``block_rows`` weight blocks -- and a NaN-poisoned bf16 output ``(M, N)``."""
+    m, dev = int(offs[-1]), offs.device
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(offs.numel(), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+    a = R.quantize_rowwise_ref(x, offs=offs)
+    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
+    return a, b, torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)

@@ -22,6 +22,7 @@ from gemm_cases import (  # noqa: E402  (tests/kernels is on sys.path under pyte
     _rel_err,
     _sizes,
     _wgrad_operands,
+    fprop_case,
 )
 
 from moe_mxfp8 import reference as R
@@ -147,20 +148,6 @@ def test_dispatch_and_cuda_graph(backend):
     _check(out2, R.grouped_mm(a2, b, offs, torch.float32), torch.bfloat16)
 
 
-def _fprop_tuned(backend, offs: torch.Tensor, n: int, k: int, block_rows: int, launch: dict):
-    """Fresh random fprop operands on offs' device (X (M, K) rowwise, W (E, N, K) with
-    `block_rows` weight blocks) and the kernel's NaN-poisoned output under `launch`
-    (the launcher's keywords: tuning, max_clusters)."""
-    m, dev = int(offs[-1]), offs.device
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(offs.numel(), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs)
-    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
-    out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-    _mm(backend, "m", a, b, offs, torch.bfloat16, out=out, **launch)
-    return a, b, out
-
-
 @gpu
 @BACKENDS
 @pytest.mark.parametrize("max_ctas", [1, 3])
@@ -177,7 +164,8 @@ def test_persistent_loop_walks_every_tile(backend, op, max_ctas):
     launch = {"max_clusters": max_ctas}
     if op in ("fprop", "fprop32", "wide_n"):
         n, k = (288, 1056) if op != "wide_n" else (1056, 288)  # wide_n: 9 n-tiles
-        a, b, out = _fprop_tuned(backend, offs, n, k, 32 if op == "fprop32" else 1, launch)
+        a, b, out = fprop_case(offs, n, k, 32 if op == "fprop32" else 1)
+        _mm(backend, "m", a, b, offs, out=out, **launch)
     else:
         n, k = 160, 288
         a, b = _wgrad_operands(m, n, k, offs)

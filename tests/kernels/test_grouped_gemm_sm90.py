@@ -26,6 +26,7 @@ from gemm_cases import (  # noqa: E402  (tests/kernels is on sys.path under pyte
     _offs,
     _sizes,
     _wgrad_operands,
+    fprop_case,
 )
 
 from moe_mxfp8 import reference as R
@@ -229,20 +230,6 @@ def test_tile_bounds():
 # ---------------------------------------------------------------------------------------------
 
 
-def _fprop_tuned(offs: torch.Tensor, n: int, k: int, block_rows: int, launch: dict):
-    """Fresh random fprop operands on offs' device (X (M, K) rowwise, W (E, N, K) with
-    `block_rows` weight blocks) and the kernel's NaN-poisoned output under `launch`
-    (the launcher's keywords: tuning, max_clusters)."""
-    m, dev = int(offs[-1]), offs.device
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(offs.numel(), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs)
-    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
-    out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-    _mm("m", a, b, offs, torch.bfloat16, out=out, **launch)
-    return a, b, out
-
-
 @gpu
 @needs_cuda
 @needs_hopper
@@ -263,7 +250,8 @@ def test_cluster_of_two_matches_reference(op, max_ctas):
         launch["max_clusters"] = max_ctas // 2
     if op in ("fprop", "fprop32", "fprop_e128"):
         n, k = (512, 1056) if op != "fprop_e128" else (256, 288)  # 4 / 2 n-tiles: pairs
-        a, b, out = _fprop_tuned(offs, n, k, 32 if op == "fprop32" else 1, launch)
+        a, b, out = fprop_case(offs, n, k, 32 if op == "fprop32" else 1)
+        _mm("m", a, b, offs, out=out, **launch)
     else:
         n, k = 160, 1024  # 8 k-tiles along the fast axis
         a, b = _wgrad_operands(m, n, k, offs)
