@@ -9,7 +9,7 @@ which take Python ints or integer tensors alike).
 
 from __future__ import annotations
 
-# --- values: E4M3 data, E8M0 scales (docs/numerics.md, "Format") -----------------------------
+# --- values: E4M3 data, E8M0 scales (docs/numerics.md, "Formats") -----------------------------
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF  # the scale byte of a block that holds NaN or Inf
@@ -33,7 +33,7 @@ ACT_BLOCK = {"1x32": 32, "32x32": 32, "1x128": 128}  # activation/gradient block
 WEIGHT_BLOCK_ROWS = {"1x32": 1, "32x32": 32, "1x128": 128}  # weight tile rows (1: 1x32 blocks)
 BLOCK_128 = 128
 
-# --- the domain every backend accepts (docs/numerics.md, "Domain") ---------------------------
+# --- the domain every backend accepts (docs/numerics.md, "Domain: what every backend accepts")
 # Largest extent of one dimension (and of E*N expert rows): kernels pass extents and token
 # counts as int32 (as ``offs`` is int32 by contract); element counts and offsets are 64-bit.
 MAX_EXTENT = 2**31 - 1

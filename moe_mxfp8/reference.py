@@ -256,7 +256,8 @@ def quantize_colwise_ref(
     """``x (M, K)`` -> MXFP8 of ``x.T`` ``(K, M)``, blocks of 32 along M.
 
     With ``offs`` (groups along M), blocks restart at each group's first token and each group's
-    last block is virtually zero-padded; scales are packed per group (contract, "Grouped layouts").
+    last block is virtually zero-padded; scales are packed per group (docs/numerics.md,
+    "Groups (Mixture of Experts)").
     ``scale_blocks="1x128"``: 128-blocks restart at each group's first token too, and each of
     their 32-blocks carries the 128-block's scale.
 

@@ -14,9 +14,10 @@ static. Operands are duck-typed MXFP8 tensors (``data``, ``scale``, ``scale_layo
 CuTeDSL nor Triton. The API (`moe_mxfp8.grouped_gemm`) and every backend -- the reference
 included -- check operands here, so every backend accepts the same domain.
 
-Packed scale addressing (docs/numerics.md, "Grouped layouts"): a kernel tile of 128 rows x 128
-reduced elements (4 scale blocks) reads exactly one 512-byte packed tile per operand; its index
-is `scale_tile_index`, the one copy of that arithmetic (host tests and both arch kernels).
+Packed scale addressing (docs/numerics.md, "Groups (Mixture of Experts)"): a kernel tile of
+128 rows x 128 reduced elements (4 scale blocks) reads exactly one 512-byte packed tile per
+operand; its index is `scale_tile_index`, the one copy of that arithmetic (host tests and both
+arch kernels).
 """
 
 from __future__ import annotations
