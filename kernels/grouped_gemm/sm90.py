@@ -250,6 +250,12 @@ class GroupedGemmSm90(GroupedGemmBase):
         offs (E,); the persistent grid in clusters."""
         self.tiled_mma = self._make_tiled_mma()
         a_layout, b_layout = self._smem_layouts()
+        # the slow copy path (`copy_window`) writes the stages through this swizzle
+        self.stage_swizzle = (a_layout.inner.num_bits, a_layout.inner.num_base,
+                              a_layout.inner.num_shift)
+        assert self.stage_swizzle == (b_layout.inner.num_bits, b_layout.inner.num_base,
+                                      b_layout.inner.num_shift)
+        assert self.stage_swizzle[1] >= 2, "the swizzle must keep 4-byte words whole"
         mA3, mB3, mC3 = self.views(a_ptr, b_ptr, out_ptr, m, num_groups)
         mA = mA3[None, None, 0]
         if cutlass.const_expr(self.is_m):
@@ -493,6 +499,7 @@ class GroupedGemmSm90(GroupedGemmBase):
     def copy_window(self, mSrc: cute.Tensor, sDst: cute.Tensor, stage: Int32, row_base: Int32,
                     t0: Int32, t_end: Int32, lane: Int32):
         """Tokens [t0, t0+128) of 128 rows -> swizzled smem words; lane i makes word i."""
+        bits, base, shift = self.stage_swizzle
         n_rows = cute.size(mSrc, mode=[0])
         row_words = cute.size(mSrc, mode=[1]) // 4
         gw = cute.make_tensor(cute.recast_ptr(mSrc.iterator, dtype=Int32),
@@ -524,7 +531,11 @@ class GroupedGemmSm90(GroupedGemmBase):
                 out = lo[u]
                 if sh != 0:
                     out = Int32((cutlass.Uint32(lo[u]) >> sh) | (cutlass.Uint32(hi) << (32 - sh)))
-                sDst[stage * (TILE_K * TILE_K // 4) + r * 32 + (lane ^ ((r % 8) * 4))] = out & mask
+                # the stage's byte offset of (row r, bytes 4 lane ..): rows of TILE_K bytes,
+                # through the smem layout's own swizzle (bits, base, shift), then in words
+                byte = r * TILE_K + 4 * lane
+                byte = byte ^ (((byte >> (base + shift)) & ((1 << bits) - 1)) << base)
+                sDst[stage * (TILE_K * TILE_K // 4) + byte // 4] = out & mask
 
     @cute.jit
     def scale_producer(self, pipe, sfA: cute.Tensor, sfB: cute.Tensor, sSFA: cute.Tensor,
