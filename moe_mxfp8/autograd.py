@@ -12,10 +12,9 @@ The three GEMMs of training run in MXFP8 with operands quantized as the contract
 ``dY`` is quantized once for both orientations (`quantize_dual`). ``X``'s columnwise copy is
 quantized together with the rowwise copy in forward and saved in FP8 (default,
 ``save_colwise=True``, which keeps no BF16 ``x`` alive) or re-quantized from the saved BF16 ``x``
-in backward (``save_colwise=False``). Measured on an H100 (2026-11-22, MXFP8MoE at the dsv3
-shape, forward+backward): 166.5 vs 166.9 ms -- the same time -- and 17.6 vs 18.7 GiB peak, so
-saving the FP8 copy is the default (benchmarks/RESULTS.md). ``wgrad="bf16"`` computes the
-weight gradient in BF16 with ``torch._grouped_mm`` instead.
+in backward (``save_colwise=False``). Saving the FP8 copy is the default: at the dsv3 shape
+it takes the same time and less peak memory (measured: benchmarks/RESULTS.md).
+``wgrad="bf16"`` computes the weight gradient in BF16 with ``torch._grouped_mm`` instead.
 
 ``scale_blocks`` names the scale-block recipe (one vocabulary with the quantizers and
 `MXFP8MoE`): ``"1x32"`` (default, exact MXFP8 everywhere), ``"32x32"`` (W with one scale per

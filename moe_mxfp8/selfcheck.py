@@ -21,14 +21,11 @@ returning wrong numbers.
   (illegal address, trap) surfaces while waiting or reading back; it is caught and reported as a
   refusal naming the configuration (the CUDA context is unusable afterwards: restart).
 
-Cost per configuration (an estimate from FLOPs and bytes; no Blackwell GPU was available to
-measure it): one problem of ``M_c`` tokens (300 / 831 for M-grouped 1-CTA / 2-CTA, 704 for
-K-grouped) at the user's N and K. FLOPs ``2 M_c N K`` in the kernel and again in the fp32
-reference: 17.6 / 48.8 / 41.3 GFLOP for N = 4096, K = 7168, i.e. under 1 ms each at tens of
-TFLOP/s. Bytes dominate: ``E`` random ``N x K`` expert matrices are drawn and quantized by the
-pure-PyTorch reference and dequantized to fp32 (4 x 4096 x 7168: ~0.1 GB fp8, ~1.5 GB of
-transient fp32/bf16), some tens of milliseconds; plus the kernel's compile (~1-3 s, which the
-first call pays anyway) and one host sync. Once per process, configuration and device.
+Cost per configuration: one problem of a few hundred tokens at the user's N and K, run by the
+kernel and by the fp32 reference, plus drawing and quantizing its random weights with the
+reference quantizers, the kernel's compile (which the first call pays anyway) and one host
+sync; once per process, configuration and device (estimate: docs/NOTES.md, "Blackwell grouped
+GEMM").
 
 Generic: `ensure_verified` takes the kernel callable ``fn(a, b, offs, out_dtype, **launch)``
 (``launch``: ``max_clusters=`` when a problem caps the grid), so the machinery is tested on the
