@@ -214,6 +214,13 @@ class GroupedGemmSm90(GroupedGemmBase):
             cfg = dataclasses.replace(cfg, cluster_n=1)
         return cfg
 
+    def can_implement(self, problem: GroupedProblem) -> tuple[bool, str]:
+        if problem.scale_blocks != self.cfg.scale_blocks:
+            # the promotion depends on the scale blocks: another choice would give wrong sums
+            return False, (f"kernel compiled for {self.cfg.scale_blocks} scale blocks, the "
+                           f"operands have {problem.scale_blocks}")
+        return super().can_implement(problem)
+
     def cluster_size(self) -> int:
         return self.cfg.cluster_n
 

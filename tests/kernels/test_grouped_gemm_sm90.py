@@ -343,3 +343,19 @@ def test_1x128_cluster_and_persistent_loop(op):
             out = _mm("k", a, b, offs, **launch, aligned_groups=True,
                                  scale_blocks="1x128")
         _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
+
+
+def test_kernel_refuses_operands_of_another_scale_block_choice():
+    """A configuration compiled for one scale-block choice must not run operands of another
+    (its promotion would apply the wrong scales): `can_implement` says why."""
+    pytest.importorskip("cutlass")
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
+    from moe_mxfp8.kernels.grouped_gemm import sm90
+
+    a, b, offs = _fprop_operands(64, 128, 128, [30, 34], block_rows=32)
+    p = P.describe_m(a, b, offs, torch.bfloat16)
+    assert p.scale_blocks == "32x32"
+    assert sm90.GroupedGemmSm90(sm90.GroupedGemmSm90.select_config(p)).can_implement(p)[0]
+    other = sm90.GroupedGemmSm90(sm90.GroupedGemmSm90Config("m", 128, 128))
+    ok, why = other.can_implement(p)
+    assert not ok and "1x32 scale blocks" in why and "32x32" in why
