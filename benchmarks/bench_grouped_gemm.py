@@ -36,6 +36,14 @@ SHAPES = {  # name: (E, T, d, f)
 OPS = ("fprop", "dgrad", "wgrad", "wgrad16")
 
 
+
+def _sm90(mode: str):
+    """The Hopper kernel through the shared launcher, for ``mode`` "m" or "k"."""
+    from moe_mxfp8.kernels.grouped_gemm import launcher
+    from moe_mxfp8.kernels.grouped_gemm.sm90 import GroupedGemmSm90
+
+    return functools.partial(launcher.grouped_mm, GroupedGemmSm90, mode)
+
 def group_sizes(e: int, t: int, seed: int = 0, align: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     w = 0.75 + 0.5 * torch.rand(e, generator=g)
@@ -123,8 +131,6 @@ def _operands(op, recipe, x, dy, w, offs):
 
 def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda",
              modes: str = DEFAULT_MODES) -> dict:
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     n2 = 2 * f
     sizes = group_sizes(e, t, align=16 if op == "wgrad16" else 1)
     offs = _offs(sizes, dev)
@@ -146,11 +152,11 @@ def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda",
         else:
             a, b = _operands(op, recipe, x, dy, w, offs)
         if op in ("fprop", "dgrad"):
-            fn = K.grouped_mm_m
+            fn = _sm90("m")
         else:
             # wgrad16: 16-aligned groups as MXFP8MoE gives them (no re-layout gather); the
             # "wgrad" row has unaligned groups and includes the gather
-            fn = functools.partial(K.grouped_mm_k, groups_aligned=op == "wgrad16",
+            fn = functools.partial(_sm90("k"), aligned_groups=op == "wgrad16",
                                    scale_blocks=recipe)
         real = [m for m in modes.split(",") if MODES[m][0] == recipe
                 and "diag" not in (MODES[m][1] or {})]
@@ -356,13 +362,11 @@ def check_baselines(e: int = 4, rows: int = 256, n: int = 256, k: int = 256,
 
 def debug_k(sizes: list[int], n=256, k=256):
     """One small K-grouped problem vs the reference (device triage, one process per case)."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     offs = _offs(sizes, "cuda")
     m = sum(sizes)
     a = R.quantize_colwise_ref(torch.randn(m, n, device="cuda", dtype=torch.bfloat16), offs=offs)
     b = R.quantize_colwise_ref(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), offs=offs)
-    out = K.grouped_mm_k(a, b, offs, torch.float32)
+    out = _sm90("k")(a, b, offs, torch.float32)
     torch.cuda.synchronize()
     ref = R.grouped_mm(a, b, offs, torch.float32)
     per_group = [_rel(out[g], ref[g]) if sizes[g] else float(out[g].abs().max())
@@ -373,8 +377,6 @@ def debug_k(sizes: list[int], n=256, k=256):
 def profile(op: str, shape: str, block_rows: int, rows: int):
     """Prepare one problem, then run the kernel once between cudaProfilerStart/Stop (for ncu
     --profile-from-start off)."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     e, _, d, f = SHAPES[shape]
     sizes = group_sizes(e, rows, align=16 if op == "wgrad16" else 1)
     offs = _offs(sizes, "cuda")
@@ -384,14 +386,14 @@ def profile(op: str, shape: str, block_rows: int, rows: int):
                                    offs=offs)
         b = R.quantize_colwise_ref(torch.randn(rows, d, device="cuda", dtype=torch.bfloat16),
                                    offs=offs)
-        fn = K.grouped_mm_k
+        fn = _sm90("k")
     else:
         kk, nn = (d, n2) if op == "fprop" else (n2, d)
         a = R.quantize_rowwise_ref(torch.randn(rows, kk, device="cuda", dtype=torch.bfloat16),
                                    offs=offs)
         w = torch.randn(e, nn, kk, device="cuda", dtype=torch.bfloat16) * 0.02
         b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
-        fn = K.grouped_mm_m
+        fn = _sm90("m")
     fn(a, b, offs, torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()

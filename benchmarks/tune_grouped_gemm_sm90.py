@@ -3,8 +3,8 @@
     python -m benchmarks.tune_grouped_gemm_sm90 [--cases fprop:dsv3:32768,...] [--json out.json]
 
 Each case is ``op:shape[:rows]`` (op fprop, dgrad or wgrad16; shape as in bench_grouped_gemm;
-rows overrides T). Every config in ``CONFIGS`` (overrides of `Sm90GroupedGemmConfig`'s tuning
-fields, see ``kernels/grouped_gemm_sm90.py``) runs every case in both weight scale modes
+rows overrides T). Every config in ``CONFIGS`` (overrides of `GroupedGemmSm90Config`'s tuning
+fields, see ``kernels/grouped_gemm/sm90.py``) runs every case in both weight scale modes
 (1x32, 32x32; wgrad 1x32 only); ``torch._grouped_mm`` bf16 runs in the same process as the
 baseline. Configs with ``diag`` compute wrong results on purpose (they remove one cost to
 measure it); the others are checked against a bf16 GEMM of the dequantized operands.
@@ -24,7 +24,7 @@ from moe_mxfp8 import reference as R
 
 CONFIGS = {
     "default": {},
-    "one tile per CTA": {"max_ctas": 1 << 30},
+    "two-CTA clusters": {"cluster_n": 2},
     "no products": {"scale_products": False},
     "v0": {"scale_lookahead": 1, "hoist_scales": False},
     "la2": {"scale_lookahead": 2, "hoist_scales": False},
@@ -39,6 +39,14 @@ CONFIGS = {
     "cluster2 diag no_promote": {"cluster_n": 2, "diag": "no_promote"},
 }
 
+
+
+def _sm90(mode: str):
+    """The Hopper kernel through the shared launcher, for ``mode`` "m" or "k"."""
+    from moe_mxfp8.kernels.grouped_gemm import launcher
+    from moe_mxfp8.kernels.grouped_gemm.sm90 import GroupedGemmSm90
+
+    return functools.partial(launcher.grouped_mm, GroupedGemmSm90, mode)
 
 def make_case(op: str, shape: str, rows: int | None, dev="cuda"):
     e, t, d, f = SHAPES[shape]
@@ -70,11 +78,9 @@ def make_case(op: str, shape: str, rows: int | None, dev="cuda"):
 
 
 def run_case(case, name: str, configs: dict, once: bool = False) -> list[dict]:
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     # wgrad16 cases have 16-aligned groups (as MXFP8MoE gives them): no re-layout gather
-    fn = K.grouped_mm_m if case["m_grouped"] else functools.partial(K.grouped_mm_k,
-                                                                    groups_aligned=True)
+    fn = _sm90("m") if case["m_grouped"] else functools.partial(_sm90("k"),
+                                                                    aligned_groups=True)
     offs, a = case["offs"], case["a"]
     rows = []
     rot = Rotating([case["bf16"], tuple(t.clone() for t in case["bf16"])])

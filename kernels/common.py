@@ -1,5 +1,5 @@
 """Pieces every CuTeDSL kernel of moe_mxfp8 shares: target arch, compile cache, tensor/stream
-conversion and the device-side mirror of the packed scale offset.
+conversion, the torch -> CuTeDSL dtype map and the device mirror of the packed scale offset.
 
 Imports CuTeDSL (``cutlass``); kernel modules import this, `moe_mxfp8.kernels` does not.
 """
@@ -17,16 +17,12 @@ import torch
 from cutlass import Int32
 
 from . import compile_cache
+from .mx_format import TILE_BLOCKS, TILE_BYTES, TILE_ROWS
 
 # Archs the kernels are built for; CUTE_DSL_ARCH overrides (compile without a GPU).
 ARCH_BY_BACKEND = {"sm90": "sm_90a", "sm100": "sm_100a"}
 ARCH_ENV = "CUTE_DSL_ARCH"
 
-# Packed (tcgen05) scale layout constants, mirrored from moe_mxfp8.layout.
-TILE_ROWS = 128
-TILE_BLOCKS = 4
-TILE_BYTES = 512
-BLOCK_SIZE = 32
 
 
 def target_arch() -> str:
@@ -42,7 +38,7 @@ def target_arch() -> str:
 
 @cute.jit
 def packed_scale_offset(r: Int32, c: Int32, num_blocks: Int32) -> Int32:
-    """Device mirror of `moe_mxfp8.layout.packed_scale_offset` (the contract's formula)."""
+    """Device mirror of `mx_format.packed_scale_offset` (the contract's formula)."""
     tiles_per_row_tile = (num_blocks + (TILE_BLOCKS - 1)) // TILE_BLOCKS
     tile = (r // TILE_ROWS) * tiles_per_row_tile + c // TILE_BLOCKS
     return (

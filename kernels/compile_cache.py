@@ -85,20 +85,13 @@ def enabled() -> bool:
 
 @functools.cache
 def source_digest() -> str:
-    """SHA-256 over the kernel sources (this package's ``*.py``) and the ``moe_mxfp8`` package's
-    (layouts, limits and reference constants the kernels import): editing any of them
-    invalidates every entry."""
-    dirs = [Path(__file__).resolve().parent]
-    try:
-        import moe_mxfp8
-
-        dirs.append(Path(moe_mxfp8.__file__).resolve().parent)
-    except ImportError:
-        pass
+    """SHA-256 over the kernel sources (every ``*.py`` of this package and its subpackages: the
+    kernels import nothing from the API above them, so these are all the sources a compiled
+    kernel depends on): editing any of them invalidates every entry."""
+    base = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for d in dict.fromkeys(dirs):
-        for f in sorted(d.glob("*.py")):
-            h.update(f"{d.name}/{f.name}".encode() + b"\0" + f.read_bytes() + b"\0")
+    for f in sorted(base.rglob("*.py")):
+        h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 

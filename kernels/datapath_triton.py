@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx_format import BLOCK_128, BLOCK_SIZE, GROUP_ALIGN_K
+from .mx_format import BLOCK_128, BLOCK_SIZE, K_GROUP_ALIGN
 
 try:  # libdevice's expf is what PyTorch's CUDA silu calls (bit-identical SwiGLU)
     from triton.language.extra import libdevice
@@ -50,9 +50,9 @@ TOK_TILE = 16  # tokens per program in the per-token kernels
 # Warps per row-block program. 32 x 128 tiles: 4 (H100, dsv3 shape, 2026-11-23: 8 warps were
 # 38-65% slower per kernel). 128 x 128 tiles: 16 (ptxas: 8 warps spill in the SwiGLU backward).
 ROW_WARPS = {BLOCK_SIZE: 4, BLOCK_128: 16}
-# Group alignment the row kernels can be told of (the MXFP8 layer's: GROUP_ALIGN_K rows, the
+# Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
-ROW_ALIGN = GROUP_ALIGN_K
+ROW_ALIGN = K_GROUP_ALIGN
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

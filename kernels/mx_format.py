@@ -9,7 +9,7 @@ which take Python ints or integer tensors alike).
 
 from __future__ import annotations
 
-# --- values: E4M3 data, E8M0 scales (docs/numerics.md, "Format") -----------------------------
+# --- values: E4M3 data, E8M0 scales (docs/numerics.md, "Formats") -----------------------------
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF  # the scale byte of a block that holds NaN or Inf
@@ -33,13 +33,14 @@ ACT_BLOCK = {"1x32": 32, "32x32": 32, "1x128": 128}  # activation/gradient block
 WEIGHT_BLOCK_ROWS = {"1x32": 1, "32x32": 32, "1x128": 128}  # weight tile rows (1: 1x32 blocks)
 BLOCK_128 = 128
 
-# --- the domain every backend accepts (docs/numerics.md, "Domain") ---------------------------
+# --- the domain every backend accepts (docs/numerics.md, "Domain: what every backend accepts")
 # Largest extent of one dimension (and of E*N expert rows): kernels pass extents and token
 # counts as int32 (as ``offs`` is int32 by contract); element counts and offsets are 64-bit.
 MAX_EXTENT = 2**31 - 1
 KERNEL_INPUT_ALIGN = 16  # bytes: the quantizer kernels' vector loads (inputs are copied if not)
-# Token rows of K-grouped (wgrad) operands: TMA reads tokens along rows (16-byte strides/starts).
-GROUP_ALIGN_K = 16
+# Group alignment of K-grouped (wgrad) operands, in tokens: TMA reads the tokens along rows, and
+# Hopper traps on an innermost box coordinate that is not 16-byte aligned (fp8: 16 tokens).
+K_GROUP_ALIGN = 16
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -100,6 +101,13 @@ def grouped_k_scale_bytes(rows: int, m: int, num_groups: int) -> int:
 def expert_scale_stride(rows: int, num_blocks: int) -> int:
     """Bytes between consecutive experts' packed scales of ``(E, rows, K)`` weights."""
     return packed_scale_bytes(rows, num_blocks)
+
+
+def padded_extent(m: int, num_groups: int, align: int) -> int:
+    """Static bound of ``sum_g round_up(m_g, align)`` over any split of ``m`` rows into groups,
+    rounded up to ``align``: ``round_up(m + (align - 1) * G, align)`` (``m`` for ``align`` 1).
+    The one copy of the group-padded extent (sorted MoE rows, re-laid K-grouped operands)."""
+    return round_up(m + (align - 1) * num_groups, align)
 
 
 def scale_tiles_per_row_tile(k: int) -> int:

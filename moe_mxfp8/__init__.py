@@ -44,11 +44,11 @@ def _register_source_kernels() -> None:
 _register_source_kernels()
 
 from . import checkpoint, expert_parallel, layout, reference  # noqa: E402
+from .autograd import grouped_mm  # noqa: E402
 from .backend import resolve_backend  # noqa: E402
 from .experts import MXFP8GroupedExperts  # noqa: E402
 from .moe import MXFP8MoE  # noqa: E402
 from .mx_tensor import MXFP8Tensor  # noqa: E402
-from .ops import grouped_mm  # noqa: E402
 from .precompile import precompile  # noqa: E402
 from .quantize import (  # noqa: E402
     quantize_colwise,

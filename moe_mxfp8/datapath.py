@@ -38,8 +38,8 @@ FP8 columnwise copies of the dispatched ``x`` and of ``a`` (wgrad operands), ``h
 the SwiGLU backward) and ``y`` (BF16, for the routing-weight gradient); with BF16 weight
 gradients (``wgrad="bf16"`` or the BF16 twin) BF16 copies of ``x`` and ``a`` instead. The expert
 weights are quantized once per step along each axis the GEMMs need (along K in forward, along N
-in backward). The expert GEMMs are `moe_mxfp8.gemm.grouped_mm_m` / ``grouped_mm_k`` (MXFP8) or
-``torch._grouped_mm`` (BF16 twin).
+in backward). The expert GEMMs are `moe_mxfp8.grouped_gemm.grouped_mm_m` / ``grouped_mm_k``
+(MXFP8) or ``torch._grouped_mm`` (BF16 twin).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ from torch import Tensor
 from . import layout as L
 from . import reference as R
 from .backend import _warn_once
-from .gemm import grouped_mm_k, grouped_mm_m
+from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
+from .kernels.mx_format import padded_extent as mx_padded_extent
 from .mx_tensor import MXFP8Tensor
 from .quantize import quantize_weights
 
@@ -72,9 +73,8 @@ PRECISIONS = ("mxfp8", "bf16")
 
 def padded_extent(m: int, num_groups: int, align: int) -> int:
     """Static row count of the sorted buffer: ``m`` pairs plus at most ``align - 1`` pad rows per
-    group, rounded to ``align`` (``m`` itself for ``align == 1``)."""
-    bound = m + (align - 1) * num_groups
-    return L.round_up(bound, align)
+    group, rounded to ``align`` (``m`` itself for ``align == 1``): `mx_format.padded_extent`."""
+    return mx_padded_extent(m, num_groups, align)
 
 
 def route_layout(expert_ids: Tensor, counts: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -231,12 +231,12 @@ def dispatch_ref(x, src, offs, top_k, *, qrow=True, qcol=True, keep_bf16=False,
 
 def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = True,
              qcol: bool = True, keep_bf16: bool = False, scale_blocks: str = "1x32",
-             groups_aligned: bool = False, table: Tensor | None = None, backend: str = "auto"):
+             aligned_groups: bool = False, table: Tensor | None = None, backend: str = "auto"):
     """Gather ``x (T, D)`` into the sorted buffer (``M = src.numel()`` rows, zero pad rows):
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, D) | None)`` from one read;
     the MXFP8 copies in the activation blocks of ``scale_blocks`` (32, or 128 for "1x128").
 
-    ``groups_aligned`` (here and in the other row stages): the caller promises that every
+    ``aligned_groups`` (here and in the other row stages): the caller promises that every
     group starts on a multiple of 16 rows (`route_layout` with ``align % 16 == 0``); the
     kernels then write the columnwise copy in 16-byte stores. ``table``: the `block_table` of
     ``(offs, M, block)`` where the caller already has it (one per step)."""
@@ -248,7 +248,7 @@ def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = T
     m = src.numel()
     outs = _outputs(m, x.shape[1], offs.numel(), qrow, qcol, keep_bf16, x)
     _triton_kernels().dispatch(x, src.contiguous(), _table(table, offs, m, ablk), top_k, outs,
-                               ablk, groups_aligned)
+                               ablk, aligned_groups)
     return _wrap(outs, offs)
 
 
@@ -283,7 +283,7 @@ def swiglu_ref(h, src, offs, *, qrow=True, qcol=True, keep_bf16=False, scale_blo
 
 
 def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: bool = True,
-           keep_bf16: bool = False, scale_blocks: str = "1x32", groups_aligned: bool = False,
+           keep_bf16: bool = False, scale_blocks: str = "1x32", aligned_groups: bool = False,
            table: Tensor | None = None, backend: str = "auto"):
     """``h = [gate | up] (M, 2H)`` BF16 -> ``a = silu(gate) * up`` as
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, H) | None)``; pad rows 0."""
@@ -295,7 +295,7 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
     m = src.numel()
     outs = _outputs(m, h.shape[1] // 2, offs.numel(), qrow, qcol, keep_bf16, h)
     _triton_kernels().swiglu_fwd(h, src.contiguous(), _table(table, offs, m, ablk), outs, ablk,
-                                 groups_aligned)
+                                 aligned_groups)
     return _wrap(outs, offs)
 
 
@@ -311,7 +311,7 @@ def swiglu_backward_ref(da, h, src, offs, *, qrow=True, qcol=True, keep_bf16=Fal
 
 def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True,
                     qcol: bool = True, keep_bf16: bool = False, scale_blocks: str = "1x32",
-                    groups_aligned: bool = False, table: Tensor | None = None,
+                    aligned_groups: bool = False, table: Tensor | None = None,
                     backend: str = "auto"):
     """Gradient of `swiglu`: ``dA (M, H)`` and the saved ``h`` -> ``dh = [dgate | dup]`` as
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, 2H) | None)`` in one pass (the
@@ -324,7 +324,7 @@ def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: b
     m = src.numel()
     outs = _outputs(m, h.shape[1], offs.numel(), qrow, qcol, keep_bf16, h)
     _triton_kernels().swiglu_bwd(da, h, src.contiguous(), _table(table, offs, m, ablk), outs, ablk,
-                                 groups_aligned)
+                                 aligned_groups)
     return _wrap(outs, offs)
 
 
@@ -368,7 +368,7 @@ def combine_backward_ref(dout, y, src, rows, weights, offs, *, qrow=True, qcol=T
 def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights: Tensor,
                      offs: Tensor, *, qrow: bool = True, qcol: bool = True,
                      keep_bf16: bool = False, need_dw: bool = True, scale_blocks: str = "1x32",
-                     groups_aligned: bool = False, table: Tensor | None = None,
+                     aligned_groups: bool = False, table: Tensor | None = None,
                      backend: str = "auto"):
     """Gradient of `combine` in one pass over the sorted rows: ``dY`` as ``(rowwise MXFP8 |
     None, columnwise MXFP8 | None, BF16 (M, D) | None)`` (pad rows 0) and the routing-weight
@@ -388,7 +388,7 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
     if need_dw:
         part = dout.new_empty(-(-d // kern.COL_TILE), m, dtype=torch.float32)
     kern.combine_bwd(dout, y, weights.float().contiguous(), src.contiguous(),
-                     _table(table, offs, m, ablk), rows.shape[1], outs, part, ablk, groups_aligned)
+                     _table(table, offs, m, ablk), rows.shape[1], outs, part, ablk, aligned_groups)
     dw = None
     if need_dw:
         dw = part.sum(0).to(BF16).float()[rows.to(torch.int64)]
@@ -448,12 +448,12 @@ def _routed_experts_fwd(
         # MXFP8: groups start on multiples of 16 rows (the contract of this op, see
         # `routed_experts`; the wgrad GEMMs rely on it too)
         xr, xc, xb = dispatch(x, src, offs, top_k, qrow=True, qcol=qcol, keep_bf16=keep,
-                              scale_blocks=sb, groups_aligned=True, table=tbl, backend=backend)
+                              scale_blocks=sb, aligned_groups=True, table=tbl, backend=backend)
         h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend), offs, out_dtype=BF16,
                          backend=backend)
         del xr
         ar, ac, ab = swiglu(h, src, offs, qrow=True, qcol=qcol, keep_bf16=keep, scale_blocks=sb,
-                            groups_aligned=True, table=tbl, backend=backend)
+                            aligned_groups=True, table=tbl, backend=backend)
         y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend), offs, out_dtype=BF16,
                          backend=backend)
         del ar
@@ -504,7 +504,7 @@ def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, o
     and the saved FP8 operand, ``qcol``) or the BF16 ones (``dyb`` and the saved int16 bits)."""
     if qcol:
         col = MXFP8Tensor(saved.view(FP8), saved_scale, "packed", offs, "k")
-        return grouped_mm_k(dyc, col, offs, out_dtype=BF16, backend=backend, groups_aligned=True,
+        return grouped_mm_k(dyc, col, offs, out_dtype=BF16, backend=backend, aligned_groups=True,
                             scale_blocks=scale_blocks)
     return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)
 
@@ -533,7 +533,7 @@ def _routed_experts_bwd(
     dyr, dyc, dyb, dwts = combine_backward(
         dout, y, src, rows, weights, offs, qrow=mx and chain, qcol=qcol,
         keep_bf16=(not mx and chain) or keep, need_dw=need_dweights, scale_blocks=sb,
-        groups_aligned=mx, table=tbl, backend=backend)
+        aligned_groups=mx, table=tbl, backend=backend)
     dwts = _empty(dout, torch.float32) if dwts is None else dwts
     if not chain:
         return dx, dwgu, dwdn, dwts
@@ -552,7 +552,7 @@ def _routed_experts_bwd(
                 dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, sb, backend)
             del dyc, dyb
         dhr, dhc, dhb = swiglu_backward(da, h, src, offs, qrow=need_dx, qcol=qcol,
-                                        keep_bf16=keep, scale_blocks=sb, groups_aligned=True,
+                                        keep_bf16=keep, scale_blocks=sb, aligned_groups=True,
                                         table=tbl, backend=backend)
         del da
         # dgrad before wgrad: dx is small, and its temporaries (the N-axis weights, the sorted

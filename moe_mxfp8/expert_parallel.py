@@ -339,11 +339,13 @@ def shard_expert_state_dict(sd: dict, ep_rank: int, ep_size: int, prefix: str = 
 
 
 def merge_expert_shards(sds: list[dict], prefix: str = "") -> dict:
-    """Per-rank state dicts (rank order) -> one full state dict: experts concatenated on dim 0,
-    replicated tensors taken from rank 0."""
+    """Per-rank state dicts (rank order) -> one full state dict: experts concatenated on dim 0
+    on rank 0's device (gathered shards keep their ranks' devices), replicated tensors taken
+    from rank 0."""
     out = dict(sds[0])
     for key in _expert_keys(sds[0], prefix):
-        out[key] = torch.cat([sd[key] for sd in sds], dim=0)
+        dev = sds[0][key].device
+        out[key] = torch.cat([sd[key].to(dev) for sd in sds], dim=0)
     return out
 
 

@@ -32,7 +32,13 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .ops import WGRAD_MODES, check_layer_dims, check_mxfp8_dims, check_weight_blocks, grouped_mm
+from .autograd import (
+    WGRAD_MODES,
+    check_layer_dims,
+    check_mxfp8_dims,
+    check_weight_blocks,
+    grouped_mm,
+)
 
 PRECISIONS = ("mxfp8", "bf16")
 COMPUTE_DTYPE = torch.bfloat16

@@ -41,15 +41,15 @@ from torch import nn
 
 from . import datapath as DP
 from . import expert_parallel as EP
-from .backend import check_backend_name
-from .ops import (
+from .autograd import (
     WGRAD_MODES,
-    WGRAD_ROW_ALIGN,
     check_layer_dims,
     check_mxfp8_dims,
     check_weight_blocks,
     resolve_scale_blocks,
 )
+from .backend import check_backend_name
+from .kernels.mx_format import K_GROUP_ALIGN
 
 PRECISIONS = ("mxfp8", "bf16")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -63,7 +63,7 @@ TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 
 # benchmarks/RESULTS.md). Zero rows change no result: a group's last 32-block is zero-padded by
 # the contract anyway, round_up(m, 16) <= round_up(m, 32) keeps every group's block count, and
 # all-zero blocks (scale byte 0, data 0) add exact zeros.
-GROUP_ALIGN_ROWS = WGRAD_ROW_ALIGN  # one constant: the wgrad kernel's token alignment
+GROUP_ALIGN_ROWS = K_GROUP_ALIGN  # one constant: the wgrad kernel's token alignment
 # scale_blocks="1x128": groups padded to 128 rows, so each 128-token k-tile of the wgrad GEMM is
 # one whole 1x128 block of one group (no partial last block, no tail fix-up in the kernel);
 # exact for the same reason (a zero row never raises a block's amax)
@@ -109,9 +109,8 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _padded_extent(m: int, num_experts: int, align: int = GROUP_ALIGN_ROWS) -> int:
     """Static row count of the ``align``-aligned expert-sorted buffer (16 rows by default):
-    `moe_mxfp8.datapath.padded_extent`, the one copy of the bound for the layer's layouts. The
-    same bound as `kernels.grouped_gemm_common.k_aligned_extent` (kept apart: importing the
-    kernels module needs CuTeDSL)."""
+    `moe_mxfp8.datapath.padded_extent`, i.e. `kernels.mx_format.padded_extent`, the one copy
+    of the bound (the K-grouped GEMM's re-layout uses it too)."""
     return DP.padded_extent(m, num_experts, align)
 
 

@@ -7,8 +7,19 @@ from dataclasses import dataclass
 import torch
 
 from . import layout as L
+from .kernels.mx_format import E8M0_NAN
 
 GROUP_AXES = (None, "rows", "k", "experts")
+
+
+def e8m0_to_float32(b: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 bytes -> float32 ``2^(b-127)``; 0xFF -> NaN. Exact (built from the bits)."""
+    bi = b.to(torch.int32)
+    # b = 0 is 2^-127, an fp32 subnormal: bit pattern 0x00400000.
+    normal = (bi << 23).view(torch.float32)
+    val = torch.where(bi == 0, torch.tensor(0x00400000, dtype=torch.int32, device=b.device)
+                      .view(torch.float32), normal)
+    return torch.where(bi == E8M0_NAN, torch.full_like(val, float("nan")), val)
 
 
 @dataclass
@@ -80,8 +91,6 @@ class MXFP8Tensor:
 
         A NaN scale (0xFF) makes its block NaN. Computed in float32, then cast.
         """
-        from .reference import e8m0_to_float32
-
         scales = e8m0_to_float32(self.dense_scales())
         if self.group_axis == "k":
             _, block_id, _ = L.grouped_k_block_index(self.offs, self.data.shape[-1])

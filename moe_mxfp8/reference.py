@@ -2,7 +2,7 @@
 
 These functions *define* the bytes the quantizer kernels must produce and the values the GEMM
 kernels are tested against (``docs/numerics.md``). They validate nothing: the public
-entry points in `moe_mxfp8.quantize` / `moe_mxfp8.ops` check arguments and then call these.
+entry points in `moe_mxfp8.quantize` / `moe_mxfp8.autograd` check arguments and then call these.
 
 Scale exponents come from the integer bits of ``amax`` (never ``log2``/``ceil`` in floating
 point, which are wrong a few ulp above a power of two)::
@@ -41,17 +41,7 @@ from .kernels.mx_format import (  # noqa: F401  (the format's constants, re-expo
     SCALE_BLOCKS,
     WEIGHT_BLOCK_ROWS,
 )
-from .mx_tensor import MXFP8Tensor
-
-
-def e8m0_to_float32(b: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 bytes -> float32 ``2^(b-127)``; 0xFF -> NaN. Exact (built from the bits)."""
-    bi = b.to(torch.int32)
-    # b = 0 is 2^-127, an fp32 subnormal: bit pattern 0x00400000.
-    normal = (bi << 23).view(torch.float32)
-    val = torch.where(bi == 0, torch.tensor(0x00400000, dtype=torch.int32, device=b.device)
-                      .view(torch.float32), normal)
-    return torch.where(bi == E8M0_NAN, torch.full_like(val, float("nan")), val)
+from .mx_tensor import MXFP8Tensor, e8m0_to_float32  # noqa: F401  (part of the reference)
 
 
 def _abs_bits(x: torch.Tensor) -> torch.Tensor:
@@ -266,7 +256,8 @@ def quantize_colwise_ref(
     """``x (M, K)`` -> MXFP8 of ``x.T`` ``(K, M)``, blocks of 32 along M.
 
     With ``offs`` (groups along M), blocks restart at each group's first token and each group's
-    last block is virtually zero-padded; scales are packed per group (contract, "Grouped layouts").
+    last block is virtually zero-padded; scales are packed per group (docs/numerics.md,
+    "Groups (Mixture of Experts)").
     ``scale_blocks="1x128"``: 128-blocks restart at each group's first token too, and each of
     their 32-blocks carries the 128-block's scale.
 

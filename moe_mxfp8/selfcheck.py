@@ -9,9 +9,10 @@ uneven groups, an empty group and partial tiles go through the kernel and throug
 returning wrong numbers.
 
 * The verdict is keyed on the compiled configuration (``config``: for the sm100 GEMM its
-  `Sm100GroupedConfig` -- mode, N, K, output dtype, CTA mode, hence its pipeline depth) and the
-  device, and cached, good or bad. A kernel compiled for another N/K/dtype is checked anew.
-* The kernel's own builder supplies problems for that configuration (the static N and K of the
+  `GroupedGemmSm100Config` -- mode, N, K, output dtype, CTA mode, hence its pipeline depth) and
+  the device, and cached, good or bad. A kernel compiled for another N/K/dtype is checked anew.
+* `verify_on_first_use` (the hook the grouped GEMM launcher calls for kernel classes with
+  ``check_on_first_use``) builds problems for that configuration (the static N and K of the
   user's call, chosen token counts) and a grid cap (`CheckProblem.max_clusters`) so that every
   CTA runs several tiles: the shared-memory stage ring and both accumulator stages wrap (their
   barrier phases flip) and the group walk advances -- the paths one tile per CTA never runs.
@@ -20,14 +21,11 @@ returning wrong numbers.
   (illegal address, trap) surfaces while waiting or reading back; it is caught and reported as a
   refusal naming the configuration (the CUDA context is unusable afterwards: restart).
 
-Cost per configuration (an estimate from FLOPs and bytes; no Blackwell GPU was available to
-measure it): one problem of ``M_c`` tokens (300 / 831 for M-grouped 1-CTA / 2-CTA, 704 for
-K-grouped) at the user's N and K. FLOPs ``2 M_c N K`` in the kernel and again in the fp32
-reference: 17.6 / 48.8 / 41.3 GFLOP for N = 4096, K = 7168, i.e. under 1 ms each at tens of
-TFLOP/s. Bytes dominate: ``E`` random ``N x K`` expert matrices are drawn and quantized by the
-pure-PyTorch reference and dequantized to fp32 (4 x 4096 x 7168: ~0.1 GB fp8, ~1.5 GB of
-transient fp32/bf16), some tens of milliseconds; plus the kernel's compile (~1-3 s, which the
-first call pays anyway) and one host sync. Once per process, configuration and device.
+Cost per configuration: one problem of a few hundred tokens at the user's N and K, run by the
+kernel and by the fp32 reference, plus drawing and quantizing its random weights with the
+reference quantizers, the kernel's compile (which the first call pays anyway) and one host
+sync; once per process, configuration and device (estimate: docs/NOTES.md, "Blackwell grouped
+GEMM").
 
 Generic: `ensure_verified` takes the kernel callable ``fn(a, b, offs, out_dtype, **launch)``
 (``launch``: ``max_clusters=`` when a problem caps the grid), so the machinery is tested on the
@@ -47,8 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as R
-
-MODES = ("m", "k")
+from .kernels.grouped_gemm.problem import MODE_M, MODES
 
 # Normalised error bounds, against the fp32 reference on identical MXFP8 operands. The kernel
 # differs only in fp32 summation order (relative ~1e-6 at these K) and the output rounding
@@ -68,7 +65,7 @@ class KernelSelfCheckError(RuntimeError):
 @dataclass(frozen=True)
 class CheckProblem:
     """One grouped problem: ``sizes`` are the group sizes (tokens), ``n``/``k`` as in
-    `kernels.grouped_gemm_common.GroupedProblem`; ``max_clusters`` caps the kernel's
+    `kernels.grouped_gemm.problem.GroupedProblem`; ``max_clusters`` caps the kernel's
     persistent grid (None: the kernel's own grid)."""
 
     sizes: tuple[int, ...]
@@ -105,7 +102,7 @@ def pipeline_problem(mode: str, n: int, k: int, out_dtype: torch.dtype, *, tile_
     (``tile_m`` 256: groups of >= 256 rows on average, the cta_group::2 choice), and a grid
     cap such that every cluster runs at least ``acc_stages + 1`` tiles and ``stages + 1``
     k-tiles (units are dealt round-robin, ``unit % clusters``). Small N/K repeat the groups."""
-    if mode == "m":
+    if mode == MODE_M:
         base = (300, 0, 531) if tile_m == 256 else (130, 0, 37, 133)
     else:
         base = (100, 0, 33, 171, 400)  # tails 4, 1, 11, 16 tokens (16 after 16-alignment)
@@ -282,24 +279,21 @@ def run_selfcheck(kernel: Callable, mode: str, device, problems=None, *,
     return None
 
 
-def ensure_verified(name: str, kernel: Callable, device, mode: str | None = None,
-                    problems=None, *, config=None, timeout_s: float | None = None,
+def ensure_verified(name: str, kernel: Callable, device, mode: str, problems=None, *,
+                    config=None, timeout_s: float | None = None,
                     fence: Callable | None = None) -> None:
     """Check ``kernel`` once per (``name``, ``config``, device); raise `KernelSelfCheckError`
     naming the configuration if it is wrong, hangs or faults.
 
-    ``config``: a hashable description of the compiled configuration (None: one verdict per
-    ``name``); ``problems``: the check problems for it (default `DEFAULT_PROBLEMS`).
-    ``mode`` ("m": 2D x 3D M-grouped, "k": 2D x 2D K-grouped) defaults to the suffix of
-    ``name`` (``"..._m"`` / ``"..._k"``). A failed verdict is cached too: later calls raise at
-    once without running the kernel again.
+    ``mode``: "m" (2D x 3D M-grouped) or "k" (2D x 2D K-grouped); ``config``: a hashable
+    description of the compiled configuration (None: one verdict per ``name``); ``problems``:
+    the check problems for it (default `DEFAULT_PROBLEMS`). A failed verdict is cached too:
+    later calls raise at once without running the kernel again.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     key = (name, config, _device_key(device))
     if key not in _verdicts:
-        if mode is None:
-            mode = name.rsplit("_", 1)[-1]
-        if mode not in MODES:
-            raise ValueError(f"cannot tell the GEMM mode of {name!r}; pass mode='m' or 'k'")
         dev = torch.device(device)
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -319,6 +313,24 @@ def ensure_verified(name: str, kernel: Callable, device, mode: str | None = None
             "Select backend='reference' (or set MOE_MXFP8_BACKEND=reference) to run the "
             "pure-PyTorch implementation, and please report this."
         )
+
+
+def verify_on_first_use(kernel_cls, config, device) -> None:
+    """The grouped GEMM launcher's first-use hook: check ``kernel_cls`` compiled for
+    ``config`` (its ``mode``, static N/K and output dtype) on one `pipeline_problem` that wraps
+    its stage ring, through the launcher itself (no hook, grid capped)."""
+    from .kernels.grouped_gemm import launcher
+
+    tile_m, stages = kernel_cls.selfcheck_tiling(config)
+    prob = pipeline_problem(config.mode, config.n, config.k, config.out_dtype, tile_m=tile_m,
+                            stages=stages)
+
+    def run(a, b, offs, out_dtype, max_clusters=None):
+        return launcher.grouped_mm(kernel_cls, config.mode, a, b, offs, out_dtype,
+                                   max_clusters=max_clusters)
+
+    ensure_verified(f"{kernel_cls.__name__}.{config.mode}", run, device, config.mode,
+                    problems=(prob,), config=config)
 
 
 def verdict(name: str, device, config=None) -> str | None | bool:

@@ -272,7 +272,7 @@ def test_grouped_mm_1x128_uses_1x128_operands(gen):
 
 
 def test_scale_blocks_vocabulary_and_alias(gen):
-    from moe_mxfp8.ops import resolve_scale_blocks
+    from moe_mxfp8.autograd import resolve_scale_blocks
 
     assert resolve_scale_blocks("1x128", None) == "1x128"
     assert resolve_scale_blocks("1x32", "32x32") == "32x32"  # the older name still works
@@ -312,8 +312,9 @@ _SM100_SCRIPT = textwrap.dedent("""
     import glob, json, os, sys
     import torch
     from moe_mxfp8 import reference as R
-    from moe_mxfp8.kernels import grouped_gemm_common as GC
-    from moe_mxfp8.kernels import grouped_gemm_sm100 as K
+    from moe_mxfp8.kernels.grouped_gemm import launcher
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
+    from moe_mxfp8.kernels.grouped_gemm.sm100 import GroupedGemmSm100
     offs = torch.tensor([100, 100, 356], dtype=torch.int32)
     x = torch.randn(356, 512)
     w = torch.randn(3, 256, 512)
@@ -321,10 +322,10 @@ _SM100_SCRIPT = textwrap.dedent("""
     for recipe in ("1x32", "1x128"):
         a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks=recipe)
         b = R.quantize_weights_ref(w, "K", block_rows=R.WEIGHT_BLOCK_ROWS[recipe])
-        p = GC.describe_m(a, b, offs, torch.bfloat16)
-        cfg = K.select_config(p)
-        res[recipe] = [repr(cfg), list(K.Sm100GroupedBlockScaledGemm(cfg).can_implement(p))]
-    K.compile_kernel(K.select_config(p), 148)
+        p = P.describe_m(a, b, offs, torch.bfloat16)
+        cfg = GroupedGemmSm100.select_config(p)
+        res[recipe] = [repr(cfg), list(GroupedGemmSm100(cfg).can_implement(p))]
+    launcher.compile_config(GroupedGemmSm100, GroupedGemmSm100.select_config(p))
     print(json.dumps(res))
 """)
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import datapath as DP
 from moe_mxfp8 import reference as R
-from moe_mxfp8.ops import grouped_mm
+from moe_mxfp8.autograd import grouped_mm
 
 BF16 = torch.bfloat16
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -10,7 +10,7 @@ import torch
 import moe_mxfp8
 from moe_mxfp8 import backend as B
 from moe_mxfp8 import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
-from moe_mxfp8.gemm import grouped_mm_k, grouped_mm_m
+from moe_mxfp8.grouped_gemm import grouped_mm_k, grouped_mm_m
 
 X = torch.randn(64, 64)
 
@@ -163,9 +163,3 @@ def test_kernels_package_name_and_no_top_level_kernels():
     # `kernels/` is a directory: that is the checkout, not an installed top-level module.
     assert spec is None or "site-packages" not in (spec.origin or "")
 
-
-def test_lookup_names_missing_kernels():
-    from moe_mxfp8.kernels import lookup
-
-    with pytest.raises(NotImplementedError, match="no sm90 kernel for 'no_such_op'"):
-        lookup("no_such_op", "sm90")

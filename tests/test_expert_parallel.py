@@ -388,7 +388,9 @@ def _count_syncs(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    msgs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # one "called a synchronizing CUDA operation" warning per sync (the mode's own notice that
+    # it is a prototype is not one)
+    msgs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     print(f"{len(msgs)} host sync(s):", msgs)
     return len(msgs)
 
@@ -425,3 +427,4 @@ def test_gpu_nccl_expert_parallel(gen, ws):
     seed = int(torch.randint(2**31, (1,), generator=gen))
     print("seed", seed)
     mp.spawn(_worker, args=(ws, _free_port(), seed, "nccl"), nprocs=ws, join=True)
+

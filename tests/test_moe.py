@@ -452,8 +452,8 @@ def test_group_alignment_padding_changes_no_result(rng):
     """The MXFP8 path pads every expert group to 16 rows (Hopper wgrad TMA alignment); the
     output and every gradient must equal the unpadded computation exactly (reference backend)."""
     from moe_mxfp8 import datapath as DP
+    from moe_mxfp8.autograd import grouped_mm
     from moe_mxfp8.moe import GROUP_ALIGN_ROWS, _padded_extent
-    from moe_mxfp8.ops import grouped_mm
 
     mx = MXFP8MoE(64, 96, 5, 2, backend="reference")
     x = torch.randn(37, 64, generator=rng).to(BF16)

@@ -18,15 +18,11 @@ fi
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader \
   | tee "$OUT/gpu.txt"
-if [ -z "${SKIP_TESTS:-}" ] && ! python -c "import pytest" 2>/dev/null; then
-  echo "== GPU tests (no pytest here: tools/gpu_1x128_check.py calls the 1x128 tests)"
-  timeout ${TEST_TIMEOUT:-100} python tools/gpu_1x128_check.py 2>&1 \
-    | grep -v "Warn\|range_constexpr" | tail -40 | tee "$OUT/tests.txt"
-elif [ -z "${SKIP_TESTS:-}" ]; then
+if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests"
   timeout ${TEST_TIMEOUT:-100} python -m pytest -q -m gpu -p no:cacheprovider -k 1x128 \
-    tests/kernels/test_grouped_gemm_sm90.py \
-    "tests/test_ops.py::test_gpu_scale_blocks_1x128_matches_bf16_grouped_mm[4096x1024x2048x8]" \
+    tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_sm90.py \
+    "tests/test_autograd.py::test_gpu_scale_blocks_1x128_matches_bf16_grouped_mm[4096x1024x2048x8]" \
     2>&1 | grep -v "Warn\|range_constexpr" | tail -25 | tee "$OUT/tests.txt"
 fi
 echo "== benchmark"

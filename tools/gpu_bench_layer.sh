@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the wgrad16 GEMM rows (groups_aligned), then the layer benchmark for the
+# One device call: the wgrad16 GEMM rows (aligned_groups), then the layer benchmark for the
 # default MXFP8MoE and for LAYER_ALT (default: 32x32 weights + BF16 wgrad), balanced routing.
 #   run  carry=[".devsite"]  command: bash tools/gpu_bench_layer.sh
 set -uo pipefail

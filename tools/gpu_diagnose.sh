@@ -8,7 +8,7 @@ python -c "import pytest" 2>/dev/null || {
   mkdir -p /tmp/pyt && tar -xJf .pyt/pytest.tar.xz -C /tmp/pyt && export PYTHONPATH=/tmp/pyt:$PYTHONPATH; }
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 timeout 60 python tools/sync_probe.py 2>&1 | grep -v Warn | tail -8 | tee "$OUT/sync.txt"
-timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe.py tests/test_ops.py 2>&1 \
+timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe.py tests/test_autograd.py 2>&1 \
   | tail -5 | tee -a "$OUT/sync.txt"
 for sc in "--save-colwise 0" "--save-colwise 1"; do
   timeout 60 python -m benchmarks.bench_moe_layer --shapes dsv3 --skews 0 --no-breakdown $sc 2>&1 \

@@ -9,11 +9,13 @@ set -uo pipefail
 source tools/device_prelude.sh name,driver_version
 NGPU=$(nvidia-smi -L | wc -l)
 echo "== EP GPU tests (NCCL, EP = 1, 2, 4 as the GPUs allow)"
-timeout 300 python -m pytest -q -m gpu -s -p no:cacheprovider tests/test_expert_parallel.py 2>&1 \
+timeout "${EP_TEST_TIMEOUT:-300}" python -m pytest -q -m gpu -s -p no:cacheprovider \
+  tests/test_expert_parallel.py 2>&1 \
   | tee "$OUT/tests.txt" | tail -30
-for P in 2 4; do
+for P in ${EP_SIZES:-2 4}; do
   [ "$P" -le "$NGPU" ] || continue
   echo "== EP bench, $P GPUs"
-  timeout 240 torchrun --nproc-per-node "$P" tools/ep_bench.py --shapes qwen3,dsv3 \
+  timeout "${EP_BENCH_TIMEOUT:-240}" torchrun --nproc-per-node "$P" tools/ep_bench.py \
+    --shapes "${EP_SHAPES:-qwen3,dsv3}" \
     --json "$OUT/ep_$P.json" 2>&1 | tee "$OUT/bench_$P.txt" | grep -v "^W1"
 done

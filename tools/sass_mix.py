@@ -4,8 +4,8 @@
 nvidia-cutlass-dsl and ``nvdisasm``: ``pip install nvidia-cuda-nvdisasm``). Method, per config
 (N=4096, K=7168 static):
 
-1. compile `Sm90GroupedGemm` for ``CUTE_DSL_ARCH=sm_90a`` with the module's own fake tensors
-   (`grouped_gemm_sm90.compile_fake`, as CPU CI does) and ``--keep-cubin`` into a temporary
+1. compile `GroupedGemmSm90` for ``CUTE_DSL_ARCH=sm_90a`` with fake pointers
+   (`grouped_gemm.launcher.compile_config`, as CPU CI does) and ``--keep-cubin`` into a temporary
    ``CUTE_DSL_DUMP_DIR``; disassemble with ``nvdisasm -c``.
 2. k-loop = the innermost backward ``BRA`` whose body holds a QGMMA (the persistent tile loop
    around it is larger). Diag "promote_only" issues no wgmma, so there the marker is
@@ -43,20 +43,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 N_DIM, K_DIM = 4096, 7168
-# name -> Sm90GroupedGemmConfig fields
+# name -> GroupedGemmSm90Config fields besides n, k
 CONFIGS = {
-    "m 1x32": dict(variant="m", b_block_rows=1),
-    "m 32x32": dict(variant="m", b_block_rows=32),
-    "k 1x32": dict(variant="k", b_block_rows=1),
-    "m 32x32 cluster2": dict(variant="m", b_block_rows=32, cluster_n=2),
-    "m 1x32 no_promote": dict(variant="m", b_block_rows=1, diag="no_promote"),
-    "m 1x32 no_scale_wait": dict(variant="m", b_block_rows=1, diag="no_scale_wait"),
-    "m 1x32 promote_only": dict(variant="m", b_block_rows=1, diag="promote_only"),
-    "m 32x32 promote_only": dict(variant="m", b_block_rows=32, diag="promote_only"),
-    "m 1x128": dict(variant="m", b_block_rows=128, promote_k=128),
-    "k 1x128": dict(variant="k", b_block_rows=1, promote_k=128),
-    "m 1x128 overlap": dict(variant="m", b_block_rows=128, promote_k=128, overlap_promotion=True),
-    "k 1x128 overlap": dict(variant="k", b_block_rows=1, promote_k=128, overlap_promotion=True),
+    "m 1x32": dict(mode="m", scale_blocks="1x32"),
+    "m 32x32": dict(mode="m", scale_blocks="32x32"),
+    "k 1x32": dict(mode="k", scale_blocks="1x32"),
+    "m 32x32 cluster2": dict(mode="m", scale_blocks="32x32", cluster_n=2),
+    "m 1x32 no_promote": dict(mode="m", scale_blocks="1x32", diag="no_promote"),
+    "m 1x32 no_scale_wait": dict(mode="m", scale_blocks="1x32", diag="no_scale_wait"),
+    "m 1x32 promote_only": dict(mode="m", scale_blocks="1x32", diag="promote_only"),
+    "m 32x32 promote_only": dict(mode="m", scale_blocks="32x32", diag="promote_only"),
+    "m 1x128": dict(mode="m", scale_blocks="1x128"),
+    "k 1x128": dict(mode="k", scale_blocks="1x128", cluster_n=2),
+    "m 1x128 overlap": dict(mode="m", scale_blocks="1x128", overlap_promotion=True),
+    "k 1x128 overlap": dict(mode="k", scale_blocks="1x128", overlap_promotion=True, cluster_n=2),
 }
 FP8_DENSE_FLOPS, CLOCK_HZ, NUM_SMS = 1979e12, 1.83e9, 132  # H100 SXM spec (boost clock)
 SMSPS = 4
@@ -68,7 +68,7 @@ REG = re.compile(r"\bR(\d+)\b")
 
 
 def kernel_module(dump_dir: Path):
-    """`moe_mxfp8.kernels.grouped_gemm_sm90` from this checkout (an editable install of
+    """`moe_mxfp8.kernels.grouped_gemm` from this checkout (an editable install of
     another checkout would otherwise win), compiling for sm_90a, cubins kept in dump_dir."""
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(dump_dir))
     sys.path.insert(0, str(ROOT))
@@ -85,9 +85,9 @@ def kernel_module(dump_dir: Path):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+    from moe_mxfp8.kernels.grouped_gemm import launcher, sm90
 
-    return K
+    return launcher, sm90
 
 
 def find_nvdisasm() -> str:
@@ -104,7 +104,10 @@ def find_nvdisasm() -> str:
 def compile_cubin(K, fields: dict, dump_dir: Path, dest: Path) -> Path:
     """Compile one config; ``--keep-cubin`` writes to $CUTE_DSL_DUMP_DIR (read once, at the
     DSL's start), so each new cubin is moved to ``dest`` (the DSL's name is ~250 chars)."""
-    K.compile_fake(K.Sm90GroupedGemmConfig(**fields), N_DIM, K_DIM, options="--keep-cubin")
+    launcher, sm90 = K
+    launcher.compile_config(sm90.GroupedGemmSm90,
+                            sm90.GroupedGemmSm90Config(n=N_DIM, k=K_DIM, **fields),
+                            options="--keep-cubin")
     cubins = list(dump_dir.glob("*.cubin"))
     if len(cubins) != 1:
         raise RuntimeError(f"expected one new cubin in {dump_dir}, got {cubins}")
@@ -197,14 +200,14 @@ def analyse(K, sass: str, regs: int) -> dict:
     body = [ins for j, ins in enumerate(instrs[lo:hi + 1], lo) if j not in rare]
     ops = Counter(ins[1] for ins in body)
     base = Counter(ins[1].split(".")[0] for ins in body)
-    per = max(1, sum(n for op, n in ops.items() if op.startswith(marker)) // K.BLOCKS_PER_KTILE)
+    per = max(1, sum(n for op, n in ops.items() if op.startswith(marker)) // K[1].BLOCKS_PER_KTILE)
     lds = {op.removeprefix("LDS").lstrip(".") or "32": n / per
            for op, n in sorted(ops.items()) if op.split(".")[0] == "LDS"}
     named = ("QGMMA", "FFMA", "FMUL", "FADD", "LDS")
     counts = {k: base[k] / per for k in named}
     total = len(body) / per
-    issue = total * (K.NUM_CONSUMER_WG * 4 // SMSPS)  # consumer warps per SMSP
-    tc = 2 * K.TILE_M * K.TILE_N * K.TILE_K / (FP8_DENSE_FLOPS / NUM_SMS / CLOCK_HZ)
+    issue = total * (K[1].NUM_CONSUMER_WG * 4 // SMSPS)  # consumer warps per SMSP
+    tc = 2 * K[1].TILE_M * K[1].TILE_N * K[1].TILE_K / (FP8_DENSE_FLOPS / NUM_SMS / CLOCK_HZ)
     maxnreg = [int(a.split(",")[-1], 16) for _, op, a, _ in instrs
                if op.startswith("USETMAXREG")]
     return {
@@ -238,8 +241,8 @@ def main():
         dump_dir.mkdir()
         K = kernel_module(dump_dir)
         for name, fields in configs.items():
-            if fields.get("diag", "") not in K.DIAG_MODES:
-                print(f"skip {name}: diag not in {K.DIAG_MODES}", file=sys.stderr)
+            if fields.get("diag", "") not in K[1].DIAG_MODES:
+                print(f"skip {name}: diag not in {K[1].DIAG_MODES}", file=sys.stderr)
                 continue
             cubin = compile_cubin(K, fields, dump_dir, work / f"{name.replace(' ', '_')}.cubin")
             sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True,

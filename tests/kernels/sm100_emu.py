@@ -1,4 +1,4 @@
-"""Host emulation of the sm_100a grouped GEMM (kernels/grouped_gemm_sm100.py) from its own code.
+"""Host emulation of the sm_100a grouped GEMM (kernels/grouped_gemm/sm100.py) from its own code.
 
 No Blackwell GPU ran the kernel. This module runs the kernel's index code -- not re-typed
 formulas -- on the host through CuTeDSL host functions (`cute.jit` compiles them for the CPU),
@@ -36,7 +36,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32
 from cutlass.cute.runtime import from_dlpack
-from moe_mxfp8.kernels import grouped_gemm_sm100 as K
+from moe_mxfp8.kernels.grouped_gemm import problem as P
+from moe_mxfp8.kernels.grouped_gemm import sm100 as K
 
 
 @contextlib.contextmanager
@@ -82,8 +83,8 @@ class Facts:
 
 
 @functools.cache
-def make_kernel(cfg) -> K.Sm100GroupedBlockScaledGemm:
-    return K.Sm100GroupedBlockScaledGemm(cfg)
+def make_kernel(cfg) -> K.GroupedGemmSm100:
+    return K.GroupedGemmSm100(cfg)
 
 
 def _dyn(t: torch.Tensor):
@@ -109,7 +110,7 @@ def facts(cfg) -> Facts:
 
 def layout_swizzles(cfg) -> list[str]:
     """The swizzles (``S<B,M,S>``) of the A, B and output staging layouts the kernel builds."""
-    kern = K.Sm100GroupedBlockScaledGemm(cfg)
+    kern = K.GroupedGemmSm100(cfg)
     found = []
 
     @cute.jit
@@ -188,7 +189,7 @@ def facts_of(kern) -> Facts:
 def walk(kern, offs: torch.Tensor, m: int, clusters: int, extents):
     """The kernel's persistent schedule on the host: one record per (work unit, CTA of the
     pair), in each cluster's order. ``extents``: ((A rows, A cols, A batch), (B ...)) of the
-    GEMM views (`Sm100GroupedBlockScaledGemm._views`)."""
+    GEMM views (`GroupedGemmBase.views`)."""
     rec = torch.full((WALK_CAP, len(WALK_COLS)), -1, dtype=torch.int32)
     count = torch.zeros(1, dtype=torch.int32)
     (ar, ac, al), (br, bc, bl) = extents
@@ -196,17 +197,17 @@ def walk(kern, offs: torch.Tensor, m: int, clusters: int, extents):
     @cute.jit
     def run(offs_t, rec_t, cnt, n_clusters, m_tok, ar_, ac_, al_, br_, bc_, bl_):
         kern._setup()
-        kern.num_tokens = m_tok
+        kern.sched.bind(m_tok)
         cA = cute.make_identity_tensor((ar_, ac_, al_))
         cB = cute.make_identity_tensor((br_, bc_, bl_))
         r = Int32(0)
         for c in cutlass.range(n_clusters, unroll=1):
             unit = c
-            cur = kern._start_cursor(offs_t)
-            cur = kern._seek(offs_t, unit, cur)
+            cur = kern.sched.start(offs_t)
+            cur = kern.sched.seek(offs_t, unit, cur)
             while cur[0] < cute.size(offs_t):
-                mt, nt = kern._tile_coords(unit, cur)
-                _, _, b_l, _ = kern._a_rows(mt, nt, cur)
+                mt, nt = kern.sched.tile_coords(unit, cur)
+                _, _, b_l, _ = kern.sched.origins(mt, nt, cur)
                 gA, gB = kern._operand_tiles(cA, cB, mt, nt, cur)
                 for v in cutlass.range_constexpr(kern.atom_thr):
                     thr = kern.tiled_mma.get_slice(v)
@@ -220,9 +221,9 @@ def walk(kern, offs: torch.Tensor, m: int, clusters: int, extents):
                     b0 = tB[((0, 0), 0, 0, 0)]
                     b1 = tB[((0, 0), 0, 0, 1)]
                     bl_c = tB[((rb, K.MMA_K - 1), 0, K.K_BLOCKS_PER_TILE - 1, 0)]
-                    sfa, sfb, step = kern._sf_tiles(mt, nt, Int32(v), cur)
+                    sfa, sfb, step = kern.sched.scale_tiles(mt, nt, Int32(v), cur)
                     row0, col0, c_l, valid = kern._out_tile(unit, Int32(v), cur)
-                    vals = (c, cur[0], mt, nt, Int32(v), b_l, kern._k_tiles(cur), sfa, sfb,
+                    vals = (c, cur[0], mt, nt, Int32(v), b_l, kern.sched.k_tiles(cur), sfa, sfb,
                             step, row0, col0, c_l, valid, cur[2], cur[3],
                             a0[0], a0[1], a1[0], a1[1], al_c[0], al_c[1],
                             b0[0], b0[1], b1[0], b1[1], bl_c[0], bl_c[1])
@@ -230,7 +231,7 @@ def walk(kern, offs: torch.Tensor, m: int, clusters: int, extents):
                         rec_t[r, j] = Int32(vals[j])
                     r = r + 1
                 unit = unit + n_clusters
-                cur = kern._seek(offs_t, unit, cur)
+                cur = kern.sched.seek(offs_t, unit, cur)
         cnt[0] = r
 
     _call(kern, "walk", run, _dyn(offs), _dyn(rec), _dyn(count), Int32(clusters), Int32(m),
@@ -354,7 +355,7 @@ def _through_smem(slab, off_s, mask):
 
 def emulate(cfg, a, b, offs: torch.Tensor, clusters: int, kern=None, stats=None):
     """The kernel's result for MXFP8 operands ``a``, ``b`` (host tensors) and ``offs``, as
-    `grouped_gemm_sm100._run` would launch it (operands already as the kernel reads them:
+    `grouped_gemm.launcher.run` would launch it (operands already as the kernel reads them:
     K-grouped data with the group starts it is given). ``kern``: a kernel object whose methods
     may be patched (mutation tests). Output poisoned with NaN: unwritten elements stay NaN.
 
@@ -364,7 +365,7 @@ def emulate(cfg, a, b, offs: torch.Tensor, clusters: int, kern=None, stats=None)
     kern = kern or make_kernel(cfg)
     f = facts(cfg)
     mode = cfg.mode
-    if mode == K.MODE_M:
+    if mode == P.MODE_M:
         m = a.data.shape[0]
         e = b.data.shape[0]
         out = torch.full((m, cfg.n), float("nan"), dtype=torch.float64)
@@ -379,7 +380,7 @@ def emulate(cfg, a, b, offs: torch.Tensor, clusters: int, kern=None, stats=None)
         a_src = a.data.view(torch.uint8)
         b_src = [b.data.view(torch.uint8)]
     recs = walk(kern, offs.to(torch.int32).cpu(), m, clusters, extents)
-    n_total = cfg.n if mode == K.MODE_M else cfg.k
+    n_total = cfg.n if mode == P.MODE_M else cfg.k
     tm = kern.cta_tile_mnk[0]
     atom = 2 if cfg.two_cta else 1
     tk = K.TILE_K
@@ -406,7 +407,7 @@ def emulate(cfg, a, b, offs: torch.Tensor, clusters: int, kern=None, stats=None)
         return s, valid // K.MMA_K, valid % K.MMA_K, (valid + K.MMA_K - 1) // K.MMA_K
 
     combos = set()
-    if mode == K.MODE_K:
+    if mode == P.MODE_K:
         for i, r in enumerate(recs):
             if r["k_tiles"] > 0:
                 s, kb, tail, _ = tail_of(i, r)
@@ -434,7 +435,7 @@ def emulate(cfg, a, b, offs: torch.Tensor, clusters: int, kern=None, stats=None)
         for r in pair:
             sa_ = _box(a_src, r["a_r"], r["a_c"], f.rows_a, kt_n * tk)
             sb_ = _box(b_src[r["b_l"]], r["b_r"], r["b_c"], f.rows_b, kt_n * tk)
-            if mode == K.MODE_K and kt_n > 0:
+            if mode == P.MODE_K and kt_n > 0:
                 s, kb, tail, n_kb = tail_of(i, r)
                 issued[(kt_n - 1) * K.K_BLOCKS_PER_TILE + n_kb:] = 0  # MMAs not issued
                 if tail:
@@ -468,7 +469,7 @@ def emulate(cfg, a, b, offs: torch.Tensor, clusters: int, kern=None, stats=None)
     for r, acc in results:
         rows = slice(r["row0"], r["row0"] + tm)
         cols = slice(r["col0"], r["col0"] + cfg.mma_n)
-        if mode == K.MODE_M:
+        if mode == P.MODE_M:
             if r["valid_rows"] == tm:  # TMA store of the whole tile, clipped to (M, N)
                 dst = out[rows, cols]
                 dst.copy_(acc[: dst.shape[0], : dst.shape[1]])
@@ -486,12 +487,16 @@ def emulate(cfg, a, b, offs: torch.Tensor, clusters: int, kern=None, stats=None)
     return out
 
 
-class _Patched(K.Sm100GroupedBlockScaledGemm):
+class _Patched(K.GroupedGemmSm100):
     """A kernel object with some methods replaced (mutation tests)."""
 
 
-def patched(cfg, **methods) -> K.Sm100GroupedBlockScaledGemm:
+def patched(cfg, **methods) -> K.GroupedGemmSm100:
+    """``methods``: kernel method names, or ``sched__<name>`` for a method of its schedule."""
     kern = _Patched(cfg)
     for name, fn in methods.items():
-        setattr(kern, name, types.MethodType(fn, kern))
+        owner = kern
+        if name.startswith("sched__"):
+            owner, name = kern.sched, name.removeprefix("sched__")
+        setattr(owner, name, types.MethodType(fn, owner))
     return kern

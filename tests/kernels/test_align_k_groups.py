@@ -1,4 +1,4 @@
-"""`grouped_gemm_common.align_k_groups`: 16-aligned group starts for the K-grouped (wgrad) GEMM.
+"""`grouped_gemm.problem.align_k_groups`: 16-aligned group starts for the K-grouped (wgrad) GEMM.
 
 The claim under test: zero-padding each group's END to a multiple of 16 tokens changes neither
 packed scale tensor, so the fp8 data can be re-laid out on its own (same scales, new offs) and
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_mxfp8.kernels import grouped_gemm_common as GC
+from moe_mxfp8.kernels.grouped_gemm import problem as P
 
 from moe_mxfp8 import layout as L
 from moe_mxfp8 import reference as R
@@ -89,11 +89,11 @@ def test_padding_keeps_block_and_tile_counts(align):
 def test_align_must_divide_32():
     for bad in (0, 3, 48, 64):
         with pytest.raises(ValueError, match="divide"):
-            GC.k_aligned_extent(128, 2, bad)
-    assert GC.k_aligned_extent(131072, 8) == 131200  # dsv3: the docstring's byte count
+            P.k_aligned_extent(128, 2, bad)
+    assert P.k_aligned_extent(131072, 8) == 131200  # dsv3: the docstring's byte count
     for m in (0, 1, 15, 16, 1000):
         for e in (1, 3, 8, 128):
-            mp = GC.k_aligned_extent(m, e)
+            mp = P.k_aligned_extent(m, e)
             assert mp % 16 == 0 and mp >= m + 15 * e
 
 
@@ -104,7 +104,7 @@ def test_scale_positions_unchanged(num_groups, gen):
     sizes = _sizes(num_groups, gen)
     offs = _offs(sizes)
     m = int(offs[-1])
-    _, _, offs_al = GC.align_k_groups(torch.zeros(1, m, dtype=torch.uint8),
+    _, _, offs_al = P.align_k_groups(torch.zeros(1, m, dtype=torch.uint8),
                                       torch.zeros(1, m, dtype=torch.uint8), offs)
     assert L.grouped_k_num_blocks(offs_al) == L.grouped_k_num_blocks(offs)
     nb = L.grouped_k_num_blocks(offs)
@@ -124,7 +124,7 @@ def test_reference_gemm_bit_identical(num_groups, kind, gen):
     sizes = _sizes(num_groups, gen)
     a, b, offs = _operands(sizes, 64, 96, gen, kind)
     want = R.grouped_mm(a, b, offs, torch.float32)
-    a_al, b_al, offs_al = GC.align_k_groups(a.data, b.data, offs)
+    a_al, b_al, offs_al = P.align_k_groups(a.data, b.data, offs)
     a2 = _aligned_tensor(a_al, a, offs_al)
     b2 = _aligned_tensor(b_al, b, offs_al)
     got = R.grouped_mm(a2, b2, offs_al, torch.float32)
@@ -147,8 +147,8 @@ def test_layout(num_groups, gen):
     m = int(offs[-1])
     a = torch.randint(1, 256, (5, m), dtype=torch.uint8, generator=gen)  # no zero byte
     b = torch.randint(1, 256, (7, m), dtype=torch.uint8, generator=gen)
-    a_al, b_al, offs_al = GC.align_k_groups(a, b, offs)
-    mp = GC.k_aligned_extent(m, num_groups)
+    a_al, b_al, offs_al = P.align_k_groups(a, b, offs)
+    mp = P.k_aligned_extent(m, num_groups)
     assert a_al.shape == (5, mp) and b_al.shape == (7, mp) and mp % 16 == 0
     assert offs_al.dtype == torch.int32 and offs_al.shape == offs.shape
     want_offs = torch.tensor([L.round_up(s, 16) for s in sizes]).cumsum(0)
@@ -167,7 +167,7 @@ def test_layout(num_groups, gen):
 
 def test_fp8_dtype_and_align_32(gen):
     a, b, offs = _operands([17, 0, 33, 1], 32, 32, gen, "randn")
-    a_al, b_al, offs_al = GC.align_k_groups(a.data, b.data, offs, align=32)
+    a_al, b_al, offs_al = P.align_k_groups(a.data, b.data, offs, align=32)
     assert a_al.dtype == torch.float8_e4m3fn and b_al.dtype == torch.float8_e4m3fn
     assert offs_al.tolist() == [32, 32, 96, 128]
     got = R.grouped_mm(_aligned_tensor(a_al, a, offs_al), _aligned_tensor(b_al, b, offs_al),
@@ -183,7 +183,7 @@ def test_requantizing_padded_source_gives_same_bytes(gen):
     m = int(offs[-1])
     x = torch.randn(m, 64, generator=gen)
     q = R.quantize_colwise_ref(x, offs=offs)
-    q_al, _, offs_al = GC.align_k_groups(q.data, q.data, offs)
+    q_al, _, offs_al = P.align_k_groups(q.data, q.data, offs)
     end = int(offs_al[-1])
     x_pad = torch.zeros(end, 64)
     s, p = 0, 0
@@ -202,7 +202,7 @@ def test_fewer_tokens_than_m(gen):
     offs = _offs([17, 5, 0, 40])
     m = 80  # 18 ungrouped tokens
     a = torch.randint(1, 256, (4, m), dtype=torch.uint8, generator=gen)
-    a_al, _, offs_al = GC.align_k_groups(a, a, offs)
+    a_al, _, offs_al = P.align_k_groups(a, a, offs)
     assert offs_al.tolist() == [32, 48, 48, 96]
     assert torch.equal(a_al[:, :17], a[:, :17]) and not a_al[:, 17:32].any()
     assert torch.equal(a_al[:, 32:37], a[:, 17:22]) and not a_al[:, 37:48].any()
@@ -218,14 +218,14 @@ def test_fullgraph_compile_no_graph_break(gen):
     """Dynamo refuses (fullgraph=True) any .item()/.tolist(), data-dependent branch or
     dynamic-shape op: the whole function is one graph."""
     torch._dynamo.reset()
-    fn = torch.compile(GC.align_k_groups, fullgraph=True, backend="aot_eager")
+    fn = torch.compile(P.align_k_groups, fullgraph=True, backend="aot_eager")
     for sizes in ([17, 0, 33], [1, 15, 16, 31, 129, 0, 2, 64]):
         offs = _offs(sizes)
         m = int(offs[-1])
         a = torch.randint(1, 256, (8, m), dtype=torch.uint8, generator=gen)
         b = torch.randint(1, 256, (16, m), dtype=torch.uint8, generator=gen)
         got = fn(a, b, offs)
-        want = GC.align_k_groups(a, b, offs)
+        want = P.align_k_groups(a, b, offs)
         for x, y in zip(got, want, strict=True):
             assert torch.equal(x, y)
 
@@ -233,12 +233,12 @@ def test_fullgraph_compile_no_graph_break(gen):
 def test_inductor_compile_matches(gen):
     """The same through inductor (one fused CPU kernel per operand)."""
     torch._dynamo.reset()
-    fn = torch.compile(GC.align_k_groups, fullgraph=True)
+    fn = torch.compile(P.align_k_groups, fullgraph=True)
     offs = _offs([17, 0, 33, 129, 1])
     m = int(offs[-1])
     a = torch.randint(1, 256, (8, m), dtype=torch.uint8, generator=gen)
     b = torch.randint(1, 256, (16, m), dtype=torch.uint8, generator=gen)
-    for x, y in zip(fn(a, b, offs), GC.align_k_groups(a, b, offs), strict=True):
+    for x, y in zip(fn(a, b, offs), P.align_k_groups(a, b, offs), strict=True):
         assert torch.equal(x, y)
 
 
@@ -249,7 +249,7 @@ def test_fake_tensor_trace():
     offs = _offs([17, 0, 33])
     a = torch.zeros(8, 50, dtype=torch.float8_e4m3fn)
     b = torch.zeros(16, 50, dtype=torch.float8_e4m3fn)
-    gm = make_fx(lambda x, y, o: GC.align_k_groups(x, y, o), tracing_mode="fake")(a, b, offs)
+    gm = make_fx(lambda x, y, o: P.align_k_groups(x, y, o), tracing_mode="fake")(a, b, offs)
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert not any(("item" in t or "nonzero" in t or "local_scalar" in t) for t in targets)
     # a boolean-mask index would trace with an unbacked (data-dependent) size: all static here
@@ -275,10 +275,10 @@ def test_gpu_no_host_sync(num_groups, gen):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = GC.align_k_groups(a_d, b_d, offs_d)
+        got = P.align_k_groups(a_d, b_d, offs_d)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    want = GC.align_k_groups(a.data, b.data, offs)
+    want = P.align_k_groups(a.data, b.data, offs)
     for x, y in zip(got, want, strict=True):
         assert x.device.type == "cuda" and x.dtype == y.dtype and x.shape == y.shape
         assert torch.equal(_bytes(x.cpu()), _bytes(y))

@@ -1,4 +1,4 @@
-"""Hopper grouped MXFP8 GEMM (kernels/grouped_gemm_sm90.py).
+"""Hopper grouped MXFP8 GEMM (kernels/grouped_gemm/sm90.py).
 
 CPU: every variant compiles for sm_90a with fake tensors (in a subprocess, since the DSL reads
 CUTE_DSL_ARCH), its SASS holds QGMMA and no local memory; argument errors are clear.
@@ -19,6 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from gemm_cases import (  # noqa: E402  (tests/kernels is on sys.path under pytest)
+    GROUPINGS,
+    _check,
+    _e128_sizes,
+    _offs,
+    _sizes,
+    _wgrad_operands,
+    fprop_case,
+)
 
 from moe_mxfp8 import reference as R
 
@@ -41,13 +50,14 @@ needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
 # CPU: compile for sm_90a, inspect SASS
 # ---------------------------------------------------------------------------------------------
 
-# (variant, out dtype, weight block rows, CTAs per cluster, promotion interval)
-VARIANTS = [("m", "bfloat16", 1, 1, 32), ("m", "float32", 1, 1, 32), ("m", "bfloat16", 32, 1, 32),
-            ("k", "bfloat16", 1, 1, 32), ("k", "float32", 1, 1, 32), ("m", "bfloat16", 32, 2, 32),
-            ("k", "bfloat16", 1, 2, 32),
+# (mode, out dtype, scale-block choice, CTAs per cluster)
+VARIANTS = [("m", "bfloat16", "1x32", 1), ("m", "float32", "1x32", 1),
+            ("m", "bfloat16", "32x32", 1), ("k", "bfloat16", "1x32", 1),
+            ("k", "float32", "1x32", 1), ("m", "bfloat16", "32x32", 2),
+            ("k", "bfloat16", "1x32", 2),
             # the 1x128 recipe: 128x128 weight tiles / 1x128 token blocks, promotion per k=128
-            ("m", "bfloat16", 128, 1, 128), ("m", "float32", 128, 2, 128),
-            ("k", "bfloat16", 1, 1, 128)]
+            ("m", "bfloat16", "1x128", 1), ("m", "float32", "1x128", 2),
+            ("k", "bfloat16", "1x128", 1)]
 
 
 def _nvdisasm() -> str | None:
@@ -68,24 +78,33 @@ def _nvdisasm() -> str | None:
 
 _COMPILE_SCRIPT = textwrap.dedent("""
     import sys
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-    variant, out_dtype, br, cl = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    pk = int(sys.argv[5])
-    K.compile_fake(K.Sm90GroupedGemmConfig(variant, out_dtype, br, pk, cluster_n=cl), 256, 512,
-                   options="--keep-cubin")
+    import torch
+    from moe_mxfp8.kernels.grouped_gemm import launcher
+    from moe_mxfp8.kernels.grouped_gemm.sm90 import GroupedGemmSm90, GroupedGemmSm90Config
+    mode, out_dtype, blocks, cl = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    cfg = GroupedGemmSm90Config(mode, 256, 512, getattr(torch, out_dtype), blocks, cluster_n=cl)
+    launcher.compile_config(GroupedGemmSm90, cfg, options="--keep-cubin")
     print("OK")
 """)
 
 
+def _mm(mode, a, b, offs, out_dtype=torch.bfloat16, **launch):
+    """The Hopper kernel through the shared launcher (`kernels.grouped_gemm.launcher`)."""
+    from moe_mxfp8.kernels.grouped_gemm import launcher
+    from moe_mxfp8.kernels.grouped_gemm.sm90 import GroupedGemmSm90
+
+    return launcher.grouped_mm(GroupedGemmSm90, mode, a, b, offs, out_dtype, **launch)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,out_dtype,block_rows,cluster_n,promote_k", VARIANTS)
-def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, variant, out_dtype, block_rows,
-                                                     cluster_n, promote_k):
+@pytest.mark.parametrize("mode,out_dtype,scale_blocks,cluster_n", VARIANTS)
+def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, mode, out_dtype, scale_blocks,
+                                                     cluster_n):
     pytest.importorskip("cutlass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, variant, out_dtype,
-                          str(block_rows), str(cluster_n), str(promote_k)], cwd=tmp_path, env=env,
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, mode, out_dtype,
+                          scale_blocks, str(cluster_n)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-4000:]
     cubins = glob.glob(str(tmp_path / "*.cubin"))
@@ -146,22 +165,18 @@ def _fprop_operands(m, n, k, sizes, block_rows=1, device="cpu", seed=0):
 
 def test_rejects_n_not_multiple_of_32():
     pytest.importorskip("cutlass")
-    from moe_mxfp8.kernels import grouped_gemm_common as GC
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
 
     a, b, offs = _fprop_operands(64, 48, 64, [30, 34])
-    p = GC.describe_m(a, b, offs, torch.bfloat16)
-    ok, why = GC.can_implement(p, n_multiple=32, k_multiple=32)
+    p = P.describe_m(a, b, offs, torch.bfloat16)
+    ok, why = P.can_implement(p, n_multiple=32, k_multiple=32)
     assert not ok and "N = 48" in why and "multiple of 32" in why
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     with pytest.raises(ValueError, match="multiple of 32"):
-        K.grouped_mm_m(a, b, offs, torch.bfloat16)
+        _mm("m", a, b, offs, torch.bfloat16)
 
 
 def test_rejects_k_grouped_tokens_not_multiple_of_16():
     pytest.importorskip("cutlass")
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     x = torch.randn(40, 64).to(torch.bfloat16)
     dy = torch.randn(40, 32).to(torch.bfloat16)
     offs = torch.tensor([17, 40], dtype=torch.int32)
@@ -170,256 +185,49 @@ def test_rejects_k_grouped_tokens_not_multiple_of_16():
     # the caller promising aligned groups must also give a 16-byte row stride; without the
     # promise the entry point re-lays the groups out (any M; tested on the GPU)
     with pytest.raises(ValueError, match="M = 40 must be a multiple of 16"):
-        K.grouped_mm_k(a, b, offs, torch.bfloat16, groups_aligned=True)
+        _mm("k", a, b, offs, torch.bfloat16, aligned_groups=True)
 
 
 def test_rejects_ungrouped_a_with_several_experts():
     pytest.importorskip("cutlass")
-    from moe_mxfp8.kernels import grouped_gemm_common as GC
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
 
     a, b, offs = _fprop_operands(64, 64, 64, [30, 34])
     a_plain = R.quantize_rowwise_ref(a.dequantize(torch.float32))
     with pytest.raises(ValueError, match="group_axis='rows'"):
-        GC.describe_m(a_plain, b, offs, torch.bfloat16)
+        P.describe_m(a_plain, b, offs, torch.bfloat16)
 
 
 def test_cluster_falls_back_when_tiles_do_not_pair():
     """cluster_n=2 needs an even tile count along the fast axis (M-grouped: N, K-grouped: K);
     otherwise the entry point runs the 1-CTA kernel (odd-count shapes stay correct)."""
     pytest.importorskip("cutlass")
-    from moe_mxfp8.kernels import grouped_gemm_common as GC
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
+    from moe_mxfp8.kernels.grouped_gemm import sm90
 
-    assert K.can_cluster("m", 512, 96, 2) and not K.can_cluster("m", 384, 512, 2)
-    assert K.can_cluster("m", 160, 512, 2)  # 2 n-tiles (the second partial) pair up
-    assert K.can_cluster("k", 96, 256, 2) and not K.can_cluster("k", 512, 288, 2)
+    assert sm90.can_cluster("m", 512, 96, 2) and not sm90.can_cluster("m", 384, 512, 2)
+    assert sm90.can_cluster("m", 160, 512, 2)  # 2 n-tiles (the second partial) pair up
+    assert sm90.can_cluster("k", 96, 256, 2) and not sm90.can_cluster("k", 512, 288, 2)
     a, b, offs = _fprop_operands(64, 384, 64, [30, 34])
-    p = GC.describe_m(a, b, offs, torch.bfloat16)
-    cfg = K.Sm90GroupedGemmConfig("m", "bfloat16", 1, cluster_n=2)
-    assert K._fit_cluster(cfg, p, a.data).cluster_n == 1
+    p = P.describe_m(a, b, offs, torch.bfloat16)
+    assert sm90.GroupedGemmSm90.select_config(p, {"cluster_n": 2}).cluster_n == 1
     with pytest.raises(ValueError, match="cluster_n"):
-        K.Sm90GroupedGemmConfig("m", "bfloat16", 1, cluster_n=4)
+        sm90.GroupedGemmSm90Config("m", 384, 64, cluster_n=4)
 
 
 def test_tile_bounds():
-    from moe_mxfp8.kernels import grouped_gemm_common as GC
+    from moe_mxfp8.kernels.mx_format import tiles_bound
 
     for sizes in ([0, 1, 31, 129, 300], [128] * 4, [0, 0, 5], [1000]):
         m = sum(sizes)
         real = sum(-(-s // 128) for s in sizes)
-        assert real <= GC.m_tiles_bound(m, len(sizes), 128)
+        assert real <= tiles_bound(m, len(sizes), 128)
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: numerics vs the reference
+# GPU: what only the Hopper kernel has (clusters, its slow copy path, the 1x128 scale check);
+# the numerics every backend shares are in test_grouped_gemm.py
 # ---------------------------------------------------------------------------------------------
-
-GROUPINGS = {
-    "E1": [384],
-    "E8_edge": [0, 1, 31, 129, 0, 200, 7, 0],  # empty / 1 / 31 / 129 / unbalanced
-    "E8_unbal": [1000, 3, 0, 0, 17, 256, 64, 8],
-    # multiples of 16 (wgrad: every group start 16-byte aligned -> TMA path + smem zeroing)
-    "E8_a16": [0, 48, 16, 256, 0, 112, 32, 16],
-}
-
-
-def _e128_sizes(seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(0, 40, (128,), generator=g)
-    sizes[::7] = 0
-    sizes[5] = 129
-    return sizes.tolist()
-
-
-def _sizes(name: str, seed: int) -> list[int]:
-    sizes = _e128_sizes(seed) if name == "E128" else list(GROUPINGS[name])
-    # wgrad needs M % 16 == 0 (TMA row stride); pad the last group
-    pad = (-sum(sizes)) % 16
-    sizes[-1] += pad
-    return sizes
-
-
-def _wgrad_operands(m: int, n: int, k: int, offs: torch.Tensor):
-    """Fresh random dY (M, N) and X (M, K) quantized along the tokens per group: a (N, M),
-    b (K, M), on offs' device."""
-    dy = torch.randn(m, n, device=offs.device, dtype=torch.bfloat16)
-    x = torch.randn(m, k, device=offs.device, dtype=torch.bfloat16)
-    return R.quantize_colwise_ref(dy, offs=offs), R.quantize_colwise_ref(x, offs=offs)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.double()
-    ref = ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _check(out, ref, out_dtype):
-    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN output elements"
-    tol = BF16_TOL if out_dtype == torch.bfloat16 else FP32_TOL
-    err = _rel_err(out, ref)
-    assert err <= tol, f"relative error {err:.3e} > {tol}"
-
-
-def _check_wgrad(out, ref, sizes, out_dtype):
-    """A K-grouped GEMM's ``out (E, N, K)``: empty groups exactly zero, then `_check`."""
-    for g, s in enumerate(sizes):
-        if s == 0:
-            assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
-    _check(out, ref, out_dtype)
-
-
-def _offs(sizes, dev):
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E128"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_rows", [1, 32])
-def test_fprop_matches_reference(grouping, out_dtype, block_rows):
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
-    dev = "cuda"
-    seed = hash((grouping, str(out_dtype), block_rows)) % 10000
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m, n, k = sum(sizes), 160, 352  # N, K not multiples of 128
-    offs = _offs(sizes, dev)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs)
-    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
-    out = torch.full((m, n), float("nan"), device=dev, dtype=out_dtype)
-    K.grouped_mm_m(a, b, offs, out_dtype, out=out)
-    ref = R.grouped_mm(a, b, offs, torch.float32)
-    _check(out, ref, out_dtype)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E128"])
-@pytest.mark.parametrize("block_rows", [1, 32])
-def test_dgrad_matches_reference(grouping, block_rows):
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
-    dev = "cuda"
-    seed = hash(("dgrad", grouping, block_rows)) % 10000
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m, n, k = sum(sizes), 256, 96  # dY (M, N); W (E, N, K); dX (M, K)
-    offs = _offs(sizes, dev)
-    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(dy, offs=offs)
-    b = R.quantize_weights_ref(w, axis="N", block_rows=block_rows)  # data (E, K, N)
-    out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
-    K.grouped_mm_m(a, b, offs, torch.bfloat16, out=out)
-    ref = R.grouped_mm(a, b, offs, torch.float32)
-    _check(out, ref, torch.bfloat16)
-    # and against the unquantized product: the MXFP8 error itself stays small
-    w32 = w.float()
-    bounds = [0] + offs.tolist()
-    exact = torch.cat([dy[s:t].float() @ w32[g] for g, (s, t) in
-                       enumerate(zip(bounds[:-1], bounds[1:], strict=True))])
-    assert _rel_err(out, exact) < 0.08
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E8_a16", "E128"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_wgrad_matches_reference(grouping, out_dtype):
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
-    dev = "cuda"
-    seed = hash(("wgrad", grouping, str(out_dtype))) % 10000
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m, n, k = sum(sizes), 160, 288
-    offs = _offs(sizes, dev)
-    a, b = _wgrad_operands(m, n, k, offs)
-    out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=out_dtype)
-    K.grouped_mm_k(a, b, offs, out_dtype, out=out)
-    ref = R.grouped_mm(a, b, offs, torch.float32)
-    assert not torch.isnan(out).any()
-    _check_wgrad(out, ref, sizes, out_dtype)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-def test_dispatch_and_cuda_graph():
-    """gemm.grouped_mm_m(backend='sm90') reaches the kernel; a captured graph replays it."""
-    from moe_mxfp8 import gemm
-
-    dev = "cuda"
-    sizes = [100, 0, 300, 12]
-    offs = _offs(sizes, dev)
-    x = torch.randn(sum(sizes), 128, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(4, 64, 128, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs)
-    b = R.quantize_weights_ref(w, axis="K")
-    out = gemm.grouped_mm_m(a, b, offs, backend="sm90")
-    ref = R.grouped_mm(a, b, offs, torch.float32)
-    _check(out, ref, torch.bfloat16)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out2 = gemm.grouped_mm_m(a, b, offs, backend="sm90")
-    # new group sizes, same buffers: the graph reads offs on the GPU
-    offs.copy_(_offs([0, 200, 200, 12], dev))
-    a2 = R.quantize_rowwise_ref(x, offs=offs)
-    a.data.copy_(a2.data)
-    a.scale.copy_(a2.scale)
-    g.replay()
-    torch.cuda.synchronize()
-    _check(out2, R.grouped_mm(a2, b, offs, torch.float32), torch.bfloat16)
-
-
-def _fprop_tuned(offs: torch.Tensor, n: int, k: int, block_rows: int, tuning: dict):
-    """Fresh random fprop operands on offs' device (X (M, K) rowwise, W (E, N, K) with
-    `block_rows` weight blocks) and the kernel's NaN-poisoned output under `tuning`."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
-    m, dev = int(offs[-1]), offs.device
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(offs.numel(), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs)
-    b = R.quantize_weights_ref(w, axis="K", block_rows=block_rows)
-    out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-    K.grouped_mm_m(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
-    return a, b, out
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("max_ctas", [1, 3])
-@pytest.mark.parametrize("op", ["fprop", "fprop32", "wide_n", "wgrad"])
-def test_persistent_loop_walks_every_tile(op, max_ctas):
-    """Few CTAs, many tiles: each CTA walks several tiles with the pipeline (stage index,
-    phase, scale-warp round-robin) running on across them; K = 1056 gives 9 k-tiles (> the
-    6 stages) per tile, and the groups include empty and partial ones."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
-    dev = "cuda"
-    torch.manual_seed(7 + max_ctas)
-    sizes = _sizes("E8_edge", 3)
-    offs = _offs(sizes, dev)
-    m = sum(sizes)
-    tuning = {"max_ctas": max_ctas}
-    if op in ("fprop", "fprop32", "wide_n"):
-        n, k = (288, 1056) if op != "wide_n" else (1056, 288)  # wide_n: 9 n-tiles
-        a, b, out = _fprop_tuned(offs, n, k, 32 if op == "fprop32" else 1, tuning)
-    else:
-        n, k = 160, 288
-        a, b = _wgrad_operands(m, n, k, offs)
-        out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.bfloat16)
-        K.grouped_mm_k(a, b, offs, torch.bfloat16, out=out, tuning=tuning)
-    _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
 
 
 @gpu
@@ -432,25 +240,26 @@ def test_cluster_of_two_matches_reference(op, max_ctas):
     and right, with the persistent loop walking several cluster tiles (max_ctas 2, 6) or one
     (None: the grid the GPU fits), 9 k-tiles per tile (> the stages), empty / partial groups,
     and wgrad's unaligned groups on the slow copy path (each CTA copies its own A)."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     dev = "cuda"
     torch.manual_seed(11 + (max_ctas or 0))
     sizes = _sizes("E128" if op == "fprop_e128" else "E8_edge", 5)
     offs = _offs(sizes, dev)
     m = sum(sizes)
-    tuning = {"cluster_n": 2, **({"max_ctas": max_ctas} if max_ctas else {})}
+    launch = {"tuning": {"cluster_n": 2}}
+    if max_ctas:
+        launch["max_clusters"] = max_ctas // 2
     if op in ("fprop", "fprop32", "fprop_e128"):
         n, k = (512, 1056) if op != "fprop_e128" else (256, 288)  # 4 / 2 n-tiles: pairs
-        a, b, out = _fprop_tuned(offs, n, k, 32 if op == "fprop32" else 1, tuning)
+        a, b, out = fprop_case(offs, n, k, 32 if op == "fprop32" else 1)
+        _mm("m", a, b, offs, out=out, **launch)
     else:
         n, k = 160, 1024  # 8 k-tiles along the fast axis
         a, b = _wgrad_operands(m, n, k, offs)
         out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.bfloat16)
-        # groups_aligned=True on unaligned starts (E8_edge) takes the slow copy path; the
+        # aligned_groups=True on unaligned starts (E8_edge) takes the slow copy path; the
         # default re-lays the groups out for TMA
-        K.grouped_mm_k(a, b, offs, torch.bfloat16, out=out, tuning=tuning,
-                       groups_aligned=op == "wgrad_unaligned")
+        _mm("k", a, b, offs, torch.bfloat16, out=out, **launch,
+            aligned_groups=op == "wgrad_unaligned")
     _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
 
 
@@ -460,10 +269,8 @@ def test_cluster_of_two_matches_reference(op, max_ctas):
 @pytest.mark.parametrize("grouping", ["E8_edge", "E128"])
 def test_wgrad_unaligned_groups_relayout_equals_slow_path(grouping):
     """Unaligned group starts: the default entry point (re-layout to 16-aligned starts, TMA
-    path) gives bit-identical output to the kernel's own slow copy path (groups_aligned=True
+    path) gives bit-identical output to the kernel's own slow copy path (aligned_groups=True
     on the original layout), and odd M (not a multiple of 16) is accepted."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     dev = "cuda"
     torch.manual_seed(11)
     sizes = _e128_sizes(5) if grouping == "E128" else list(GROUPINGS[grouping])
@@ -472,11 +279,11 @@ def test_wgrad_unaligned_groups_relayout_equals_slow_path(grouping):
     n, k = 96, 160
     a, b = _wgrad_operands(m, n, k, offs)
     out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.float32)
-    K.grouped_mm_k(a, b, offs, torch.float32, out=out)
+    _mm("k", a, b, offs, torch.float32, out=out)
     _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.float32)
     if m % 16 == 0:
         slow = torch.full_like(out, float("nan"))
-        K.grouped_mm_k(a, b, offs, torch.float32, out=slow, groups_aligned=True)
+        _mm("k", a, b, offs, torch.float32, out=slow, aligned_groups=True)
         assert torch.equal(out, slow)
 
 
@@ -488,66 +295,9 @@ def test_wgrad_unaligned_groups_relayout_equals_slow_path(grouping):
 @gpu
 @needs_cuda
 @needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E128"])
-@pytest.mark.parametrize("op,out_dtype", [("fprop", torch.bfloat16), ("fprop", torch.float32),
-                                          ("dgrad", torch.bfloat16)])
-def test_1x128_m_grouped_matches_reference(grouping, op, out_dtype):
-    """1x128 activations x 128x128 weight tiles; N = 160 and K = 352 (fprop) or N = 256,
-    K = 96 (dgrad) leave partial 128-blocks and partial weight tiles. Tolerance as the 1x32
-    tests: rel. Frobenius error vs the fp32 GEMM of the same quantized operands <= 5e-3 (bf16
-    output rounding) / 1e-3 (fp32 output: accumulation order only)."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
-    dev = "cuda"
-    seed = 7 + len(grouping) * 31 + (op == "dgrad") * 3 + (out_dtype == torch.float32)
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m = sum(sizes)
-    n, k, axis = (160, 352, "K") if op == "fprop" else (256, 96, "N")
-    offs = _offs(sizes, dev)
-    x = torch.randn(m, k if op == "fprop" else n, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
-    a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks="1x128")
-    b = R.quantize_weights_ref(w, axis=axis, block_rows=128)
-    cols = n if op == "fprop" else k
-    out = torch.full((m, cols), float("nan"), device=dev, dtype=out_dtype)
-    K.grouped_mm_m(a, b, offs, out_dtype, out=out)
-    _check(out, R.grouped_mm(a, b, offs, torch.float32), out_dtype)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("grouping", ["E1", "E8_edge", "E8_unbal", "E8_a16", "E128"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_1x128_wgrad_matches_reference(grouping, out_dtype):
-    """Both operands 1x128 along the tokens (blocks restart per group, partial last blocks);
-    unaligned groups go through the host re-layout; empty groups must be zeros."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
-    dev = "cuda"
-    seed = 11 + len(grouping) * 17 + (out_dtype == torch.float32)
-    torch.manual_seed(seed)
-    sizes = _sizes(grouping, seed)
-    m, n, k = sum(sizes), 160, 288
-    offs = _offs(sizes, dev)
-    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    a = R.quantize_colwise_ref(dy, offs=offs, scale_blocks="1x128")
-    b = R.quantize_colwise_ref(x, offs=offs, scale_blocks="1x128")
-    out = torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=out_dtype)
-    K.grouped_mm_k(a, b, offs, out_dtype, out=out, scale_blocks="1x128")
-    _check_wgrad(out, R.grouped_mm(a, b, offs, torch.float32), sizes, out_dtype)
-
-
-@gpu
-@needs_cuda
-@needs_hopper
 def test_1x128_kernel_turns_1x32_operands_into_nan():
     """Operands that are not 1x128 (their 32-blocks' scales differ) must not give plausible
     numbers from the once-per-k-tile promotion: the scale check makes those outputs NaN."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     dev = "cuda"
     torch.manual_seed(3)
     sizes = [200, 56]
@@ -557,14 +307,14 @@ def test_1x128_kernel_turns_1x32_operands_into_nan():
     w = torch.randn(2, 128, 256, device=dev, dtype=torch.bfloat16)
     a32 = R.quantize_rowwise_ref(x, offs=offs)
     b = R.quantize_weights_ref(w, axis="K", block_rows=128)
-    assert torch.isnan(K.grouped_mm_m(a32, b, offs)).all()
+    assert torch.isnan(_mm("m", a32, b, offs)).all()
     xk = x.clone()
     xk[32:64] *= 1000  # tokens 32..63: block 1 of group 0 along the tokens
     t = R.quantize_colwise_ref(xk, offs=offs)
-    assert torch.isnan(K.grouped_mm_k(t, t, offs, scale_blocks="1x128")[0]).all()
+    assert torch.isnan(_mm("k", t, t, offs, scale_blocks="1x128")[0]).all()
     # the same data quantized 1x128 is finite and right
     a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks="1x128")
-    _check(K.grouped_mm_m(a, b, offs), R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
+    _check(_mm("m", a, b, offs), R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
 
 
 @gpu
@@ -573,25 +323,39 @@ def test_1x128_kernel_turns_1x32_operands_into_nan():
 @pytest.mark.parametrize("op", ["m", "k"])
 def test_1x128_cluster_and_persistent_loop(op):
     """2-CTA clusters and a 3-CTA persistent grid over many k-tiles, 1x128 recipe."""
-    from moe_mxfp8.kernels import grouped_gemm_sm90 as K
-
     dev = "cuda"
     torch.manual_seed(5)
     sizes = [512, 0, 384, 128]
     offs = _offs(sizes, dev)
     m, n, k = sum(sizes), 256, 1152
-    for tuning in ({"cluster_n": 2}, {"max_ctas": 3}):
+    for launch in ({"tuning": {"cluster_n": 2}}, {"max_clusters": 3}):
         if op == "m":
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
             a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks="1x128")
             b = R.quantize_weights_ref(w, axis="K", block_rows=128)
-            out = K.grouped_mm_m(a, b, offs, tuning=tuning)
+            out = _mm("m", a, b, offs, **launch)
         else:
             a = R.quantize_colwise_ref(torch.randn(m, n, device=dev), offs=offs,
                                        scale_blocks="1x128")
             b = R.quantize_colwise_ref(torch.randn(m, k, device=dev), offs=offs,
                                        scale_blocks="1x128")
-            out = K.grouped_mm_k(a, b, offs, tuning=tuning, groups_aligned=True,
+            out = _mm("k", a, b, offs, **launch, aligned_groups=True,
                                  scale_blocks="1x128")
         _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
+
+
+def test_kernel_refuses_operands_of_another_scale_block_choice():
+    """A configuration compiled for one scale-block choice must not run operands of another
+    (its promotion would apply the wrong scales): `can_implement` says why."""
+    pytest.importorskip("cutlass")
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
+    from moe_mxfp8.kernels.grouped_gemm import sm90
+
+    a, b, offs = _fprop_operands(64, 128, 128, [30, 34], block_rows=32)
+    p = P.describe_m(a, b, offs, torch.bfloat16)
+    assert p.scale_blocks == "32x32"
+    assert sm90.GroupedGemmSm90(sm90.GroupedGemmSm90.select_config(p)).can_implement(p)[0]
+    other = sm90.GroupedGemmSm90(sm90.GroupedGemmSm90Config("m", 128, 128))
+    ok, why = other.can_implement(p)
+    assert not ok and "1x32 scale blocks" in why and "32x32" in why

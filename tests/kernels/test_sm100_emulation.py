@@ -24,18 +24,18 @@ from moe_mxfp8 import selfcheck
 cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 import sm100_emu as E  # noqa: E402  (tests/kernels is on sys.path under pytest)
-from moe_mxfp8.kernels import grouped_gemm_common as ggc  # noqa: E402
-from moe_mxfp8.kernels import grouped_gemm_sm100 as K  # noqa: E402
+from moe_mxfp8.kernels.grouped_gemm import problem as P  # noqa: E402
+from moe_mxfp8.kernels.grouped_gemm import sm100 as K  # noqa: E402
 
 # Group sizes the issue asks for; the E = 128 problems cycle through them.
 SIZES = (0, 1, 15, 16, 17, 31, 48, 129, 1000)
 
 # One configuration per (mode, CTA mode, output dtype): every emulation compiles its host
 # functions once per configuration. N and K not multiples of 128 (K-grouped: K = token axis).
-CFG_M1 = K.Sm100GroupedConfig("m", 160, 288, torch.bfloat16, 128, 128)
-CFG_M2 = K.Sm100GroupedConfig("m", 96, 160, torch.float32, 256, 128)
-CFG_K32 = K.Sm100GroupedConfig("k", 96, 160, torch.float32, 128, 128)
-CFG_K16 = K.Sm100GroupedConfig("k", 64, 96, torch.bfloat16, 128, 128)
+CFG_M1 = K.GroupedGemmSm100Config("m", 160, 288, torch.bfloat16, 128, 128)
+CFG_M2 = K.GroupedGemmSm100Config("m", 96, 160, torch.float32, 256, 128)
+CFG_K32 = K.GroupedGemmSm100Config("k", 96, 160, torch.float32, 128, 128)
+CFG_K16 = K.GroupedGemmSm100Config("k", 64, 96, torch.bfloat16, 128, 128)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,7 +63,7 @@ def _operands(mode, sizes, cfg, seed, aligned=True):
     a, b, offs = selfcheck.make_operands(mode, prob, "cpu", seed=seed)
     ref = R.grouped_mm(a, b, offs, torch.float32).double()
     if mode == "k" and aligned:
-        ad, bd, offs = ggc.align_k_groups(a.data, b.data, offs)
+        ad, bd, offs = P.align_k_groups(a.data, b.data, offs)
         a, b = dataclasses.replace(a, data=ad), dataclasses.replace(b, data=bd)
     return a, b, offs, ref
 
@@ -108,7 +108,7 @@ def test_emulated_kernel_matches_reference(gen, mode, cfg, sizes, clusters):
 
 
 def test_emulated_tails_of_every_length(gen):
-    """Unaligned group starts (``groups_aligned=True`` with raw offs): the last k-tile of a
+    """Unaligned group starts (``aligned_groups=True`` with raw offs): the last k-tile of a
     group ends at every offset mod 32, so the tail zeroing runs with every tail length."""
     seed = _seed(gen)
     sizes = (1, 15, 17, 31, 33, 47, 63, 95, 127, 129, 255, 3, 7, 64, 97)
@@ -129,7 +129,7 @@ def test_emulation_catches_unswizzled_tail_zeroing():
     """The self-check's own wgrad problems, with the first version's tail zeroing: the
     emulation gives O(1) errors (the fixed kernel passes `test_emulated_kernel_matches_...`)."""
     for i, prob in enumerate(selfcheck.DEFAULT_PROBLEMS["k"]):
-        cfg = K.Sm100GroupedConfig("k", prob.n, prob.k, prob.out_dtype, 128, 128)
+        cfg = K.GroupedGemmSm100Config("k", prob.n, prob.k, prob.out_dtype, 128, 128)
         a, b, offs, ref = _operands("k", prob.sizes, cfg, seed=i)
         good = E.emulate(cfg, a, b, offs, 3)
         _check(good, ref, cfg.out_dtype, f"fixed kernel, problem {i}")
@@ -147,20 +147,20 @@ def _zero_tail_off_by_one(self, blk, tail, first_row, row_step):
 
 
 @cute.jit
-def _sf_tiles_without_group_base(self, mt, nt, v, cur):
+def _scale_tiles_without_group_base(self, mt, nt, v, cur):
     g, _, t0, t1, _ = cur
-    return K.scale_tile_index(self.mode, self.cfg.n, self.cfg.k, self.mma_tiler[0],
-                              self.mma_tiler[1], mt, nt, v, g, t1 - t0, 0)
+    return P.scale_tile_index(self.mode, self.n, self.k, self.tile_m, self.tile_n, mt, nt, v, g,
+                              t1 - t0, 0)
 
 
 @pytest.mark.parametrize("name,method,fn", [
     ("tail zeroing leaves one foreign token", "_zero_block_tail", _zero_tail_off_by_one),
-    ("scale tiles miss the group base", "_sf_tiles", _sf_tiles_without_group_base),
+    ("scale tiles miss the group base", "sched__scale_tiles", _scale_tiles_without_group_base),
 ])
 def test_emulation_catches_index_mutants(name, method, fn):
     """The emulation is sensitive to single slips in the kernel's index code."""
     prob = selfcheck.DEFAULT_PROBLEMS["k"][0]
-    cfg = K.Sm100GroupedConfig("k", prob.n, prob.k, prob.out_dtype, 128, 128)
+    cfg = K.GroupedGemmSm100Config("k", prob.n, prob.k, prob.out_dtype, 128, 128)
     a, b, offs, ref = _operands("k", prob.sizes, cfg, seed=3)
     bad = E.emulate(cfg, a, b, offs, 3, kern=E.patched(cfg, **{method: fn}))
     with pytest.raises(AssertionError, match="elements off"):
@@ -184,7 +184,7 @@ def test_layouts_are_bijections(cfg):
             assert torch.equal(got, torch.arange(s * sb, (s + 1) * sb)), s
     assert f.sfa_off.unique().numel() == f.sfa_off.numel() == 512
     assert int(f.sfa_off.max()) < 512 and f.sf_stage_bytes[0] == 512
-    rows, cols = K.Sm100GroupedBlockScaledGemm(cfg).cta_tile_mnk[:2]
+    rows, cols = K.GroupedGemmSm100(cfg).cta_tile_mnk[:2]
     rc = f.epi_rc.reshape(-1, 2)
     assert int(rc.min()) >= 0 and int(rc[:, 0].max()) < rows and int(rc[:, 1].max()) < cols
     flat = rc[:, 0] * cols + rc[:, 1]

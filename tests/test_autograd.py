@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_mxfp8 import grouped_mm
-from moe_mxfp8.ops import WEIGHT_BLOCKS, WGRAD_MODES
+from moe_mxfp8.autograd import WEIGHT_BLOCKS, WGRAD_MODES
 
 OUT_MIN_DB = 27.0
 DGRAD_MIN_DB = 25.0

@@ -12,10 +12,9 @@ The three GEMMs of training run in MXFP8 with operands quantized as the contract
 ``dY`` is quantized once for both orientations (`quantize_dual`). ``X``'s columnwise copy is
 quantized together with the rowwise copy in forward and saved in FP8 (default,
 ``save_colwise=True``, which keeps no BF16 ``x`` alive) or re-quantized from the saved BF16 ``x``
-in backward (``save_colwise=False``). Measured on an H100 (2026-11-22, MXFP8MoE at the dsv3
-shape, forward+backward): 166.5 vs 166.9 ms -- the same time -- and 17.6 vs 18.7 GiB peak, so
-saving the FP8 copy is the default (benchmarks/RESULTS.md). ``wgrad="bf16"`` computes the
-weight gradient in BF16 with ``torch._grouped_mm`` instead.
+in backward (``save_colwise=False``). Saving the FP8 copy is the default: at the dsv3 shape
+it takes the same time and less peak memory (measured: benchmarks/RESULTS.md).
+``wgrad="bf16"`` computes the weight gradient in BF16 with ``torch._grouped_mm`` instead.
 
 ``scale_blocks`` names the scale-block recipe (one vocabulary with the quantizers and
 `MXFP8MoE`): ``"1x32"`` (default, exact MXFP8 everywhere), ``"32x32"`` (W with one scale per
@@ -52,14 +51,14 @@ from torch import Tensor
 
 from . import checks as C
 from . import layout as L
-from .gemm import grouped_mm_k, grouped_mm_m
+from .grouped_gemm import grouped_mm_k, grouped_mm_m
+from .kernels.mx_format import K_GROUP_ALIGN
 from .mx_tensor import MXFP8Tensor
 from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
 from .reference import SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 
 WGRAD_MODES = ("mxfp8", "bf16")
 WEIGHT_BLOCKS = ("1x32", "32x32")  # the older `weight_blocks` name of two of SCALE_BLOCKS
-WGRAD_ROW_ALIGN = 16  # token rows: kernels/grouped_gemm_sm90.py reads tokens with TMA (16 B rows)
 COMPUTE_DTYPE = torch.bfloat16  # the dtype of x, w_t, the output and both gradients
 FP8 = torch.float8_e4m3fn
 
@@ -239,12 +238,12 @@ def _grouped_mm_bwd(
     dy = grad_out.contiguous()
     mx_wgrad = need_dw and wgrad == "mxfp8"
     m = dy.shape[0]
-    if mx_wgrad and aligned_groups and m % WGRAD_ROW_ALIGN:
+    if mx_wgrad and aligned_groups and m % K_GROUP_ALIGN:
         # With aligned groups the wgrad kernels skip their re-layout (which accepts any M) and
         # TMA-load the tokens as they are: the row stride needs M % 16 == 0. Zero rows appended
         # to the last group change no result (its last 32-block is zero-padded anyway; a block
         # that becomes all-zero adds exact zeros) -- dx is sliced back to M rows.
-        mp = L.round_up(m, WGRAD_ROW_ALIGN)
+        mp = L.round_up(m, K_GROUP_ALIGN)
         offs = torch.cat([offs[:-1], offs.new_full((1,), mp)])
         dy = torch.cat([dy, dy.new_zeros(mp - m, dy.shape[1])])
         x = torch.cat([x, x.new_zeros(mp - m, x.shape[1])]) if x is not None else None
@@ -283,7 +282,7 @@ def _grouped_mm_bwd(
             # aligned_groups: every group starts on a multiple of 16 rows (the odd-M padding
             # above only grows the last group), so the kernels skip their re-layout
             dw = grouped_mm_k(dytq, xtq, offs, out_dtype=COMPUTE_DTYPE, backend=backend,
-                              groups_aligned=aligned_groups, scale_blocks=sb)
+                              aligned_groups=aligned_groups, scale_blocks=sb)
     return dx, dw
 
 
@@ -395,7 +394,7 @@ def grouped_mm(
         bool(save_colwise)
         and wgrad == "mxfp8"
         # odd M with aligned groups: backward pads x, so keep the BF16 x
-        and (x.shape[0] % WGRAD_ROW_ALIGN == 0 or not aligned_groups)
+        and (x.shape[0] % K_GROUP_ALIGN == 0 or not aligned_groups)
         and torch.is_grad_enabled()
         and w_t.requires_grad
     )

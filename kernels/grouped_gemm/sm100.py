@@ -1,26 +1,25 @@
 """Blackwell (sm_100a) grouped block-scaled MXFP8 GEMM: ``tcgen05.mma ... kind::mxf8f6f4
 .block_scale.block32`` with E8M0 scales.
 
-Two entry points (registered in ``moe_mxfp8.kernels.KERNEL_OPS[...]["sm100"]``):
-
-* `grouped_mm_m` -- 2D x 3D, M-grouped (fprop/dgrad): ``a (M, K)`` rowwise with row groups,
-  ``b (E, N, K)`` expert weights -> ``(M, N)``.
-* `grouped_mm_k` -- 2D x 2D, K-grouped (wgrad): ``a (N, M)``, ``b (K, M)`` quantized along M per
-  group -> ``(E, N, K)``, zeros for an empty group.
+This file holds the Blackwell kernel class (`GroupedGemmSm100`), its configuration and
+heuristics; the problem and operand checks (`problem.py`), the tile walk over ``offs``
+(`schedule.py`) and the launch (`launcher.py`) are shared with the Hopper kernel. Both
+groupings (`problem.py`): M-grouped (fprop/dgrad) and K-grouped (wgrad, zeros for an empty
+group).
 
 Design (details in docs/NOTES.md, "Blackwell grouped GEMM"):
 
 * Warp-specialised and persistent: warps 0-3 epilogue (TMEM -> registers -> SMEM -> TMA store),
   warp 4 MMA (one thread issues tcgen05.mma), warp 5 TMA loads. Every role walks the same
-  device-side schedule: work units are numbered group by group and each role advances a cursor
-  over ``offs`` (read on the device; nothing is synchronised with the host).
+  device-side schedule (`schedule.GroupedTileSchedule`: units numbered group by group, a cursor
+  over ``offs`` read on the device; nothing is synchronised with the host).
 * Operands arrive by TMA into an SMEM ring. Group starts are arbitrary token offsets: the TMA
   coordinate tensors are shifted with ``domain_offset`` (TMA box starts need no alignment).
 * Scales: the quantizer's packed layout is a sequence of 512-byte tiles (128 rows x 4 blocks),
   exactly the SMEM layout ``tcgen05.cp`` reads. A 128 x 128 operand tile needs one such tile per
   128 rows, so each scale operand is viewed as a flat ``(tiles * 4, 128)`` byte matrix and one
   TMA box of ``(4, 128)`` copies one packed tile verbatim (no repack); its index comes from the
-  shared addressing formula (``grouped_gemm_common``). SMEM -> TMEM by ``tcgen05.cp``
+  shared addressing formula (`problem.scale_tile_index`). SMEM -> TMEM by ``tcgen05.cp``
   (``Cp4x32x128bOp``), issued by the MMA warp just before the MMAs that read it.
 * Accumulators in TMEM, double-buffered so the epilogue of one tile overlaps the next mainloop.
 * M-grouped: rows past a group's end are loaded (they belong to the next group, or are zero-filled
@@ -36,13 +35,12 @@ compiling it for sm_100a and checking its SASS, PTX and descriptor immediates
 (tests/kernels/test_grouped_gemm_sm100.py) and by emulating its index code -- schedule, TMA
 boxes, swizzled shared memory, tail zeroing, epilogue -- against the reference
 (tests/kernels/test_sm100_emulation.py). The first call of each compiled configuration on a
-real Blackwell GPU runs `moe_mxfp8.selfcheck` and refuses to run if it is wrong, hangs or
-faults.
+real Blackwell GPU is checked against the reference before use (``check_on_first_use``: the
+API runs `moe_mxfp8.selfcheck`, which refuses the kernel if it is wrong, hangs or faults).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -57,23 +55,21 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from moe_mxfp8 import reference as R
-from moe_mxfp8.mx_tensor import MXFP8Tensor
+from ..common import TORCH_TO_CUTLASS
+from ..mx_format import BLOCK_SIZE, TILE_BYTES, TILE_ROWS
+from .base import MODE_K, MODE_M, GroupedGemmBase
+from .problem import GroupedProblem
+from .schedule import TILE_K
 
-from . import grouped_gemm_common as ggc
-from .common import TILE_BYTES, CompileCache, current_stream, target_arch
-
-SF_VEC_SIZE = 32  # MXFP8: one E8M0 scale per 32 elements along K (block32)
-TILE_K = 128  # reduced elements per k-tile: 4 MMA k-blocks of 32 = one packed scale tile column
+SF_VEC_SIZE = BLOCK_SIZE  # MXFP8: one E8M0 scale per 32 elements along K (block32)
 MMA_K = 32  # K of one tcgen05.mma kind::mxf8f6f4 instruction (8-bit operands)
 K_BLOCKS_PER_TILE = TILE_K // MMA_K
-SF_TILE_ROWS = 128  # rows of one 512-byte packed scale tile
+SF_TILE_ROWS = TILE_ROWS  # rows of one 512-byte packed scale tile
 SF_BOX = (4, 128)  # a 512-byte packed tile as a TMA box (inner box dimension <= 256 elements)
 SMEM_CAPACITY = 232448  # sm_100 opt-in shared memory per CTA (227 KiB)
 SMEM_RESERVED = 1024  # barriers, TMEM pointer, alignment slack
 TMEM_COLS = 512  # TMEM columns per SM; allocated whole (one CTA per SM)
 STORE_VECTOR_BYTES = 16  # partial output tiles: one 128-bit global store per 16 bytes
-OFFS_ALIGN = 4  # offs may be a view at any int32 offset; it is read by scalar loads only
 EPI_WARPS = (0, 1, 2, 3)
 MMA_WARP = 4
 TMA_WARP = 5
@@ -81,17 +77,15 @@ THREADS = 32 * 6
 EPI_BARRIER_ID = 1
 TMEM_ALLOC_BARRIER_ID = 2
 
-MODE_M = ggc.MODE_M
-MODE_K = ggc.MODE_K
-
 
 @dataclass(frozen=True)
-class Sm100GroupedConfig:
+class GroupedGemmSm100Config:
     """Static configuration of one compiled kernel.
 
     ``mma_m`` 128: one CTA per MMA tile; 256: a CTA pair (cluster (2, 1)) runs cta_group::2
     MMAs of 256 x ``mma_n``, each CTA holding 128 rows. ``n`` and ``k`` are the static extents
-    (`grouped_gemm_common.GroupedProblem`); tokens and the group count stay dynamic.
+    (`problem.GroupedProblem`); tokens and the group count stay dynamic. The scale-block choice
+    does not enter: 1x128 operands are MXFP8 tensors the block32 MMA reads as they are.
     """
 
     mode: str
@@ -110,49 +104,15 @@ class Sm100GroupedConfig:
         return (2, 1) if self.two_cta else (1, 1)
 
 
-def select_config(problem: ggc.GroupedProblem) -> Sm100GroupedConfig:
-    """Tile choice. cta_group::2 halves B traffic per CTA but needs groups of >= 256 rows to
-    fill its tiles; with unknown (device-side) group sizes we use the mean group size. The
-    K-grouped kernel zeroes group tails in SMEM from the MMA warp, which only sees its own CTA's
-    SMEM, so it stays on one CTA per tile."""
-    mma_m = 128
-    if problem.mode == MODE_M and problem.m >= 256 * max(problem.num_groups, 1):
-        mma_m = 256
-    return Sm100GroupedConfig(problem.mode, problem.n, problem.k, problem.out_dtype, mma_m, 128)
-
-
-def scale_tile_index(mode, n, k, mma_m, mma_n, mt, nt, v, g, m_g, tiles128_before):
-    """Packed scale tiles of one work unit: (SFA tile of CTA ``v`` at k-tile 0, SFB tile of the
-    first 128-row tile at k-tile 0, tile step between SFB row tiles); k-tile t adds t.
-
-    The 512-byte tile index of the `grouped_gemm_common` addressing (plain arithmetic: runs on
-    Python ints in tests and on device integers in the kernel). ``mt``/``nt``: MMA-tile
-    coordinates in the group; ``m_g``: the group's tokens; ``tiles128_before``:
-    ``sum_{h<g} ceil(m_h/128)``.
-
-    * MODE_M: a's group g starts at packed row ``P_g = 128 * tiles128_before``; weights: expert
-      g's scales start ``g * ceil(n/128) * T_k`` tiles in, with ``T_k = ceil(ceil(k/32)/4)``.
-    * MODE_K: operand of R rows, group g starts at tile ``ceil(R/128) * tiles128_before`` and
-      has ``ceil(m_g/128)`` tiles per 128-row tile (``KBp_g / 4``).
-    """
-    a_rt = mt * (mma_m // SF_TILE_ROWS) + v
-    b_rt = nt * (mma_n // SF_TILE_ROWS)
-    if mode == MODE_M:
-        kt = ggc.scale_tiles_per_row_tile(k)
-        n128 = (n + SF_TILE_ROWS - 1) // SF_TILE_ROWS
-        return (tiles128_before + a_rt) * kt, (g * n128 + b_rt) * kt, kt
-    kt_g = (m_g + TILE_K - 1) // TILE_K
-    a128 = (n + SF_TILE_ROWS - 1) // SF_TILE_ROWS
-    b128 = (k + SF_TILE_ROWS - 1) // SF_TILE_ROWS
-    return a128 * tiles128_before + a_rt * kt_g, b128 * tiles128_before + b_rt * kt_g, kt_g
-
-
-class Sm100GroupedBlockScaledGemm:
+class GroupedGemmSm100(GroupedGemmBase):
     """Persistent, warp-specialised grouped MXFP8 GEMM for sm_100a (see module docstring)."""
 
-    def __init__(self, config: Sm100GroupedConfig):
-        self.cfg = config
-        self.mode = config.mode
+    arch = "sm_100a"
+    check_on_first_use = True  # no Blackwell GPU has run it in this project's CI
+
+    def __init__(self, config: GroupedGemmSm100Config):
+        self.tile_m, self.tile_n = config.mma_m, config.mma_n  # the schedule's unit: an MMA tile
+        super().__init__(config)
         self.cta_group = tcgen05.CtaGroup.TWO if config.two_cta else tcgen05.CtaGroup.ONE
         self.atom_thr = 2 if config.two_cta else 1
         self.cluster_shape_mn = config.cluster_shape_mn
@@ -160,9 +120,7 @@ class Sm100GroupedBlockScaledGemm:
         self.a_dtype = cutlass.Float8E4M3FN
         self.b_dtype = cutlass.Float8E4M3FN
         self.sf_dtype = cutlass.Float8E8M0FNU
-        self.c_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[
-            config.out_dtype
-        ]
+        self.c_dtype = TORCH_TO_CUTLASS[config.out_dtype]
         self.mma_tiler = (config.mma_m, config.mma_n, TILE_K)
         self.cta_tile_mnk = (config.mma_m // self.atom_thr, config.mma_n, TILE_K)
         # Every CTA needs the scales of the whole MMA N extent, rounded up to 128-row tiles.
@@ -170,19 +128,42 @@ class Sm100GroupedBlockScaledGemm:
         self.num_acc_stage = 2
         self.num_c_stage = 2
 
-    # ------------------------------------------------------------------ host-side checks
-    def can_implement(self, problem: ggc.GroupedProblem) -> tuple[bool, str]:
-        if problem.mode != self.mode:
-            return False, f"kernel built for mode {self.mode!r}, problem is {problem.mode!r}"
+    # ------------------------------------------------------------------ host-side decisions
+    @classmethod
+    def select_config(cls, problem: GroupedProblem, tuning: dict | None = None):
+        """Tile choice. cta_group::2 halves B traffic per CTA but needs groups of >= 256 rows
+        to fill its tiles; with unknown (device-side) group sizes the mean group size decides.
+        The K-grouped kernel zeroes group tails in SMEM from the MMA warp, which only sees its
+        own CTA's SMEM, so it stays on one CTA per tile."""
+        if tuning:
+            raise ValueError("the sm100 kernel takes no tuning overrides")
+        mma_m = 128
+        if problem.mode == MODE_M and problem.m >= 256 * max(problem.num_groups, 1):
+            mma_m = 256
+        return GroupedGemmSm100Config(problem.mode, problem.n, problem.k, problem.out_dtype,
+                                      mma_m, 128)
+
+    def can_implement(self, problem: GroupedProblem) -> tuple[bool, str]:
         if self.mode == MODE_K and self.cfg.two_cta:
             return False, "K-grouped kernel runs one CTA per tile (SMEM tail fix-up)"
         if self.cfg.mma_n != 128:
             # 256 would need one accumulator stage (2 x 256 + scale columns > 512 TMEM
             # columns); not built or compile-tested.
             return False, f"mma_n must be 128, got {self.cfg.mma_n}"
-        # TMA: 16-byte row strides (fp8 rows K or M; output rows N or K in out_dtype).
-        limits = dict(n_multiple=32, k_multiple=32, m_multiple=16 if self.mode == MODE_K else 1)
-        return ggc.can_implement(problem, **limits)
+        return super().can_implement(problem)
+
+    def cluster_size(self) -> int:
+        return 2 if self.cfg.two_cta else 1
+
+    @classmethod
+    def pipeline_stages(cls, config: GroupedGemmSm100Config) -> int:
+        """Depth of the operand stage ring (from the kernel's own `_setup`)."""
+        return _pipeline_stages(config)
+
+    @classmethod
+    def selfcheck_tiling(cls, config: GroupedGemmSm100Config) -> tuple[int, int]:
+        """(output tile rows, operand ring stages): what a first-use check must wrap."""
+        return config.mma_m, cls.pipeline_stages(config)
 
     # ------------------------------------------------------------------ static attributes
     def _setup(self):
@@ -255,13 +236,13 @@ class Sm100GroupedBlockScaledGemm:
         num_clusters: Int32,
         stream,
     ):
-        """Raw device pointers of the torch buffers (contiguous; see `_views`), the token count
+        """Raw device pointers of the torch buffers (contiguous; see `views`), the token count
         ``m``, the group count, the packed scale buffer sizes in bytes (multiples of 512) and
         the persistent grid in clusters (a launch argument: the first-use self-check runs the
         same compiled kernel on a capped grid). Pointers + Int32 sizes keep one compiled
         signature for CPU CI and the GPU."""
         self._setup()
-        mA, mB, mC = self._views(a_ptr, b_ptr, out_ptr, m, num_groups)
+        mA, mB, mC = self.views(a_ptr, b_ptr, out_ptr, m, num_groups)
         # The same output for the predicated stores, with a 64-bit row stride: M x N may pass
         # 2^31 elements (TMA coordinates are per dimension and need no such care).
         mC_st = mC
@@ -344,93 +325,6 @@ class Sm100GroupedBlockScaledGemm:
             min_blocks_per_mp=1,
         )
 
-    @cute.jit
-    def _views(self, a_ptr, b_ptr, out_ptr, m: Int32, e: Int32):
-        """GEMM views (rows, reduced, batch) of the contiguous torch buffers, all "TN".
-
-        MODE_M: a (M, K) -> (M, K, 1); b (E, N, K) -> (N, K, E); out (M, N) -> (M, N, 1).
-        MODE_K: a (N, M) -> (N, M, 1); b (K, M) -> (K, M, 1); out (E, N, K) -> (N, K, E).
-        """
-        n, k = self.cfg.n, self.cfg.k
-        if cutlass.const_expr(self.mode == MODE_M):
-            mA = cute.make_tensor(a_ptr, cute.make_layout((m, k, 1), stride=(k, 1, 0)))
-            mB = cute.make_tensor(b_ptr, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
-            mC = cute.make_tensor(out_ptr, cute.make_layout((m, n, 1), stride=(n, 1, 0)))
-        else:
-            # Token rows: TMA needs 16-byte strides, which `can_implement` guarantees.
-            ms = cute.assume(m, divby=16)
-            mA = cute.make_tensor(a_ptr, cute.make_layout((n, m, 1), stride=(ms, 1, 0)))
-            mB = cute.make_tensor(b_ptr, cute.make_layout((k, m, 1), stride=(ms, 1, 0)))
-            mC = cute.make_tensor(out_ptr, cute.make_layout((n, k, e), stride=(k, 1, n * k)))
-        return mA, mB, mC
-
-    # ------------------------------------------------------------------ device schedule
-    @cute.jit
-    def _units_of_group(self, m_g: Int32) -> Int32:
-        """Work units (output tiles) of a group of ``m_g`` tokens."""
-        nt = (self.cfg.n + self.mma_tiler[1] - 1) // self.mma_tiler[1]
-        if cutlass.const_expr(self.mode == MODE_M):
-            return ((m_g + self.mma_tiler[0] - 1) // self.mma_tiler[0]) * nt
-        mt = (self.cfg.n + self.mma_tiler[0] - 1) // self.mma_tiler[0]
-        nt = (self.cfg.k + self.mma_tiler[1] - 1) // self.mma_tiler[1]
-        return mt * nt
-
-    @cute.jit
-    def _seek(self, offs: cute.Tensor, unit: Int32, cur):
-        """Advance the group cursor ``cur`` to the group that owns work unit ``unit``.
-
-        ``cur = (g, unit_base, tok_start, tok_end, tiles128_base)``: group g's first unit, its
-        token range, and ``sum_{h<g} ceil(m_h/128)`` (the packed-tile base of the contract's
-        grouped layouts). Units only grow along one CTA's walk, so the cursor only moves on;
-        ``g == E`` means the unit is past the last group.
-        """
-        g, base, t0, t1, tb = cur
-        num_groups = cute.size(offs)
-        done = g >= num_groups
-        if not done:
-            done = unit < base + self._units_of_group(t1 - t0)
-        while not done:
-            m_g = t1 - t0
-            base = base + self._units_of_group(m_g)
-            tb = tb + (m_g + SF_TILE_ROWS - 1) // SF_TILE_ROWS
-            g = g + 1
-            t0 = t1
-            if g < num_groups:
-                t1 = self._group_end(offs, g)
-                done = unit < base + self._units_of_group(t1 - t0)
-            else:
-                done = True
-        return g, base, t0, t1, tb
-
-    @cute.jit
-    def _start_cursor(self, offs: cute.Tensor):
-        return Int32(0), Int32(0), Int32(0), self._group_end(offs, Int32(0)), Int32(0)
-
-    @cute.jit
-    def _group_end(self, offs: cute.Tensor, g: Int32) -> Int32:
-        """``offs[g]`` clamped to ``[0, num_tokens]``: a malformed ``offs`` (past M, negative)
-        can then neither store outside the output (M-grouped rows stop at a group end) nor read
-        past the operands' token extent; the host never syncs to validate ``offs``."""
-        return cutlass.min(cutlass.max(offs[g], Int32(0)), self.num_tokens)
-
-    @cute.jit
-    def _tile_coords(self, unit: Int32, cur):
-        """(mt, nt) MMA-tile coordinates of ``unit`` inside its group (N fastest)."""
-        _, base, _, _, _ = cur
-        if cutlass.const_expr(self.mode == MODE_M):
-            nt_count = (self.cfg.n + self.mma_tiler[1] - 1) // self.mma_tiler[1]
-        else:
-            nt_count = (self.cfg.k + self.mma_tiler[1] - 1) // self.mma_tiler[1]
-        local = unit - base
-        return local // nt_count, local % nt_count
-
-    @cute.jit
-    def _k_tiles(self, cur) -> Int32:
-        _, _, t0, t1, _ = cur
-        if cutlass.const_expr(self.mode == MODE_M):
-            return Int32((self.cfg.k + TILE_K - 1) // TILE_K)
-        return (t1 - t0 + TILE_K - 1) // TILE_K
-
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(
@@ -465,7 +359,7 @@ class Sm100GroupedBlockScaledGemm:
         self.sfa_smem_layout, self.sfb_smem_layout = sfa_smem_layout, sfb_smem_layout
         self.c_smem_layout, self.epi_tile = c_smem_layout, epi_tile
         self.sfa_tma_layout, self.sfb_tma_layout = sfa_tma_layout, sfb_tma_layout
-        self.num_tokens = num_tokens  # group ends are clamped to it (`_group_end`)
+        self.sched.bind(num_tokens)  # group ends are clamped to it
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == TMA_WARP:
             for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c):
@@ -553,22 +447,14 @@ class Sm100GroupedBlockScaledGemm:
         return bidx // self.atom_thr, gdim // self.atom_thr
 
     @cute.jit
-    def _a_rows(self, mt: Int32, nt: Int32, cur):
-        """(row origin of A's MMA tile, of B's MMA tile, batch index of B, reduced origin)."""
-        g, _, t0, _, _ = cur
-        if cutlass.const_expr(self.mode == MODE_M):
-            return t0 + mt * self.mma_tiler[0], nt * self.mma_tiler[1], g, Int32(0)
-        return mt * self.mma_tiler[0], nt * self.mma_tiler[1], Int32(0), t0
-
-    @cute.jit
     def _out_tile(self, unit: Int32, v: Int32, cur):
         """This CTA's output tile: (first row, first column, batch index, rows to store).
 
         M-grouped: rows past the group's end belong to the next group and are not stored
         (``valid_rows`` < 128, possibly <= 0 for the second CTA of a pair)."""
         g, _, _, t1, _ = cur
-        mt, nt = self._tile_coords(unit, cur)
-        a_row, b_row, _, _ = self._a_rows(mt, nt, cur)
+        mt, nt = self.sched.tile_coords(unit, cur)
+        a_row, b_row, _, _ = self.sched.origins(mt, nt, cur)
         row0 = a_row + v * self.cta_tile_mnk[0]
         c_l = Int32(0)
         valid_rows = Int32(self.cta_tile_mnk[0])
@@ -579,19 +465,11 @@ class Sm100GroupedBlockScaledGemm:
         return row0, b_row, c_l, valid_rows
 
     @cute.jit
-    def _sf_tiles(self, mt: Int32, nt: Int32, v: Int32, cur):
-        """Packed-tile indices of this CTA's SFA tile and first SFB tile at k-tile 0, and the
-        tile step between SFB row tiles (see `scale_tile_index`)."""
-        g, _, t0, t1, tb = cur
-        return scale_tile_index(self.mode, self.cfg.n, self.cfg.k, self.mma_tiler[0],
-                                self.mma_tiler[1], mt, nt, v, g, t1 - t0, tb)
-
-    @cute.jit
     def _operand_tiles(self, mA, mB, mt, nt, cur):
         """A / B MMA tiles ``(rows, TILE_K, k-tile)`` of a work unit, shifted to the group's
         arbitrary token origin (TMA box starts need no alignment). The host emulation (tests)
         runs this on coordinate tensors to get the TMA box origins."""
-        a_row, b_row, b_l, k0 = self._a_rows(mt, nt, cur)
+        a_row, b_row, b_l, k0 = self.sched.origins(mt, nt, cur)
         gA = cute.local_tile(
             cute.domain_offset((a_row, k0, 0), mA),
             cute.slice_(self.mma_tiler, (None, 0, None)), (0, None, 0),
@@ -634,12 +512,12 @@ class Sm100GroupedBlockScaledGemm:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.num_ab_stage)
         unit, stride = self._work_range()
-        cur = self._start_cursor(offs)
-        cur = self._seek(offs, unit, cur)
+        cur = self.sched.start(offs)
+        cur = self.sched.seek(offs, unit, cur)
         while cur[0] < cute.size(offs):
-            mt, nt = self._tile_coords(unit, cur)
-            sfa_t, sfb_t, sfb_step = self._sf_tiles(mt, nt, v, cur)
-            k_tiles = self._k_tiles(cur)
+            mt, nt = self.sched.tile_coords(unit, cur)
+            sfa_t, sfb_t, sfb_step = self.sched.scale_tiles(mt, nt, v, cur)
+            k_tiles = self.sched.k_tiles(cur)
             gA, gB = self._operand_tiles(mA, mB, mt, nt, cur)
             tAsA, tAgA = cpasync.tma_partition(
                 tma_atom_a, cluster_coord[2], a_cta_layout,
@@ -663,7 +541,7 @@ class Sm100GroupedBlockScaledGemm:
                               tSsSFB[(None, j, state.index)], tma_bar_ptr=bar)
                 state.advance()
             unit = unit + stride
-            cur = self._seek(offs, unit, cur)
+            cur = self.sched.seek(offs, unit, cur)
         ab_pipe.producer_tail(state)
 
     # ------------------------------------------------------------------ MMA warp
@@ -701,10 +579,10 @@ class Sm100GroupedBlockScaledGemm:
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.num_acc_stage)
         unit, stride = self._work_range()
-        cur = self._start_cursor(offs)
-        cur = self._seek(offs, unit, cur)
+        cur = self.sched.start(offs)
+        cur = self.sched.seek(offs, unit, cur)
         while cur[0] < cute.size(offs):
-            k_tiles = self._k_tiles(cur)
+            k_tiles = self.sched.k_tiles(cur)
             tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
             if is_leader:
                 acc_pipe.producer_acquire(acc_state)
@@ -736,7 +614,7 @@ class Sm100GroupedBlockScaledGemm:
                 acc_pipe.producer_commit(acc_state)
             acc_state.advance()
             unit = unit + stride
-            cur = self._seek(offs, unit, cur)
+            cur = self.sched.seek(offs, unit, cur)
         acc_pipe.producer_tail(acc_state)
 
     @cute.jit
@@ -826,11 +704,11 @@ class Sm100GroupedBlockScaledGemm:
         epi_n = cute.size(tTR_tAcc_base, mode=[4])
         c_iter = Int32(0)
         unit, stride = self._work_range()
-        cur = self._start_cursor(offs)
-        cur = self._seek(offs, unit, cur)
+        cur = self.sched.start(offs)
+        cur = self.sched.seek(offs, unit, cur)
         while cur[0] < cute.size(offs):
             row0, col0, c_l, valid_rows = self._out_tile(unit, v, cur)
-            has_acc = self._k_tiles(cur) > 0
+            has_acc = self.sched.k_tiles(cur) > 0
             full = valid_rows == self.cta_tile_mnk[0]
             gC_tma = cute.flat_divide(
                 cute.local_tile(cute.domain_offset((row0, col0, c_l), mC_tma), cta_tile_mn,
@@ -871,7 +749,7 @@ class Sm100GroupedBlockScaledGemm:
             acc_pipe.consumer_release(acc_state)
             acc_state.advance()
             unit = unit + stride
-            cur = self._seek(offs, unit, cur)
+            cur = self.sched.seek(offs, unit, cur)
         c_pipe.producer_tail()
 
     @cute.jit
@@ -918,115 +796,9 @@ class Sm100GroupedBlockScaledGemm:
                 dst.store(frag.load())
 
 
-# ---------------------------------------------------------------------------------------------
-# host entry points
-# ---------------------------------------------------------------------------------------------
-
-_CACHE = CompileCache("grouped_gemm_sm100")
-
-
-def _max_active_clusters(device: torch.device, cluster_size: int) -> int:
-    """Persistent grid size: clusters that fit at once (GPC shapes can leave SMs unpaired)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _max_active_clusters_cached(index, cluster_size)
-
-
 @functools.cache
-def _max_active_clusters_cached(index: int, cluster_size: int) -> int:
-    # The driver query loads a probe kernel: once per device and cluster size, never per call.
-    try:
-        return utils.HardwareInfo(index).get_max_active_clusters(cluster_size)
-    except Exception:  # driver query unavailable: one cluster per cluster_size SMs
-        return torch.cuda.get_device_properties(index).multi_processor_count // cluster_size
-
-
-def _ptr(dtype, addr: int, align: int = 16):
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
-
-
-def compile_kernel(config: Sm100GroupedConfig, max_active_clusters: int | None = None,
-                   stream=None, options: str | None = None):
-    """Compile one configuration for ``target_arch()`` (cached per config and arch). Token
-    count, group count, buffer sizes and the grid are runtime Int32 arguments, so the same
-    compile serves every call (and the self-check) and CPU CI compiles exactly what the GPU
-    runs. ``max_active_clusters`` is accepted for older callers and unused."""
-
-    def build():
-        kern = Sm100GroupedBlockScaledGemm(config)
-        c_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[
-            config.out_dtype
-        ]
-        fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8
-        ptrs = [_ptr(t, 0) for t in (fp8, fp8, u8, u8, c_dtype)] + [_ptr(Int32, 0, OFFS_ALIGN)]
-        st = stream if stream is not None else cute.runtime.make_fake_stream()
-        kw = {"options": options} if options else {}
-        return cute.compile(kern, *ptrs, Int32(1), Int32(1), Int32(TILE_BYTES),
-                            Int32(TILE_BYTES), Int32(1), st, **kw)
-
-    key = (config, target_arch(), options)
-    # compile options ask for artifacts (--keep-cubin ...): compile here, never load from disk
-    return _CACHE.get(key, build, persist=not options)
-
-
-def _run(problem: ggc.GroupedProblem, a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
-         max_clusters: int | None = None):
-    """Launch on the current stream (no host sync). Returns the output tensor.
-    ``max_clusters`` caps the persistent grid (the self-check: several tiles per CTA)."""
-    cfg = select_config(problem)
-    kern = Sm100GroupedBlockScaledGemm(cfg)
-    ok, why = kern.can_implement(problem)
-    if not ok:
-        raise ValueError(f"sm100 grouped GEMM cannot run this problem: {why}")
-    out = ggc.alloc_output(problem)
-    if problem.m == 0:
-        return out.zero_()
-    for t in (a.data, b.data, a.scale, b.scale, out):
-        if t.data_ptr() % 16:
-            raise ValueError("sm100 grouped GEMM needs 16-byte aligned buffers")
-    clusters = _max_active_clusters(a.device, 2 if cfg.two_cta else 1)
-    if max_clusters is not None:
-        clusters = max(1, min(clusters, max_clusters))
-    stream = current_stream()
-    fn = compile_kernel(cfg, stream=stream)
-    c_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[
-        problem.out_dtype
-    ]
-    fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8
-    fn(
-        _ptr(fp8, a.data.data_ptr()), _ptr(fp8, b.data.data_ptr()),
-        _ptr(u8, a.scale.data_ptr()), _ptr(u8, b.scale.data_ptr()),
-        _ptr(c_dtype, out.data_ptr()), _ptr(Int32, offs.data_ptr(), OFFS_ALIGN),
-        Int32(problem.m), Int32(problem.num_groups),
-        Int32(a.scale.numel() // TILE_BYTES * TILE_BYTES),
-        Int32(b.scale.numel() // TILE_BYTES * TILE_BYTES), Int32(clusters), stream,
-    )
-    return out
-
-
-def _grouped_mm_m_unchecked(a, b, offs, out_dtype=torch.bfloat16, max_clusters=None):
-    return _run(ggc.describe_m(a, b, offs, out_dtype), a, b, offs, max_clusters)
-
-
-def _grouped_mm_k_unchecked(a, b, offs, out_dtype=torch.bfloat16, groups_aligned=False,
-                            max_clusters=None):
-    problem = ggc.describe_k(a, b, offs, out_dtype)
-    if not groups_aligned and problem.m > 0:
-        # Every group to a 16-token aligned start (exact: scales unchanged, result identical;
-        # `ggc.align_k_groups`): on Hopper a TMA box whose innermost coordinate is not 16-byte
-        # aligned traps (measured, docs/NOTES.md), and the same host code serves both archs.
-        a_data, b_data, offs = ggc.align_k_groups(a.data, b.data, offs)
-        a = dataclasses.replace(a, data=a_data)
-        b = dataclasses.replace(b, data=b_data)
-        problem = dataclasses.replace(problem, m=a_data.shape[1])
-    return _run(problem, a, b, offs, max_clusters)
-
-
-@functools.cache
-def pipeline_stages(config: Sm100GroupedConfig) -> int:
-    """Depth of the operand stage ring of a configuration (from the kernel's own `_setup`)."""
-    kern = Sm100GroupedBlockScaledGemm(config)
+def _pipeline_stages(config: GroupedGemmSm100Config) -> int:
+    kern = GroupedGemmSm100(config)
     found = []
 
     @cute.jit
@@ -1036,46 +808,3 @@ def pipeline_stages(config: Sm100GroupedConfig) -> int:
 
     probe()
     return found[0]
-
-
-def selfcheck_problems(config: Sm100GroupedConfig):
-    """The first-use check of a compiled configuration: its N, K and output dtype, group sizes
-    that select the same CTA mode, and a grid cap that makes every cluster wrap the stage ring
-    and both accumulator stages (`moe_mxfp8.selfcheck.pipeline_problem`)."""
-    from moe_mxfp8 import selfcheck
-
-    prob = selfcheck.pipeline_problem(config.mode, config.n, config.k, config.out_dtype,
-                                      tile_m=config.mma_m, stages=pipeline_stages(config))
-    return (prob,)
-
-
-def _verified(name: str, kernel, problem: ggc.GroupedProblem) -> None:
-    """Run (once per compiled configuration and device) the first-use self-check."""
-    from moe_mxfp8 import selfcheck
-
-    cfg = select_config(problem)
-    selfcheck.ensure_verified(name, kernel, problem.device, mode=cfg.mode, config=cfg,
-                              problems=selfcheck_problems(cfg))
-
-
-def grouped_mm_m(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """M-grouped 2D x 3D MXFP8 GEMM on Blackwell: ``(M, K) x (E, N, K) -> (M, N)``."""
-    _verified("sm100.grouped_mm_m", _grouped_mm_m_unchecked,
-              ggc.describe_m(a, b, offs, out_dtype))
-    return _grouped_mm_m_unchecked(a, b, offs, out_dtype)
-
-
-def grouped_mm_k(a: MXFP8Tensor, b: MXFP8Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16, *,
-                 groups_aligned: bool = False) -> torch.Tensor:
-    """K-grouped 2D x 2D MXFP8 GEMM on Blackwell: ``(N, M) x (K, M) -> (E, N, K)``.
-
-    ``groups_aligned``: the caller guarantees 16-token aligned group starts (else the fp8 data
-    is re-laid out first, as on sm90)."""
-    _verified("sm100.grouped_mm_k", _grouped_mm_k_unchecked,
-              ggc.describe_k(a, b, offs, out_dtype))
-    return _grouped_mm_k_unchecked(a, b, offs, out_dtype, groups_aligned)
-
-
-grouped_mm_ref = R.grouped_mm  # the pure-PyTorch definition these kernels are checked against
