@@ -136,11 +136,14 @@ def block_table(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> Tensor:
 
 @functools.cache
 def _triton_kernels():
-    """The Triton module, or None where Triton is not installed (CPU machines, CI)."""
+    """The Triton module, or None where Triton is not installed (CPU machines, CI). Any other
+    import error is the package's own bug and is raised, never hidden behind the fallback."""
     try:
-        from .kernels import datapath_triton
+        import triton  # noqa: F401
     except ImportError:
         return None
+    from .kernels import datapath_triton
+
     return datapath_triton
 
 
