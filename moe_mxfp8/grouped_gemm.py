@@ -21,8 +21,6 @@ from .backend import resolve_backend
 from .kernels.grouped_gemm import problem
 from .mx_tensor import MXFP8Tensor
 
-OUT_DTYPES = problem.OUT_DTYPES
-
 
 def _kernel_class(backend: str):
     """The grouped GEMM kernel class of a kernel backend (imports CuTeDSL)."""

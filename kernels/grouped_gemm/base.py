@@ -26,7 +26,6 @@ from .schedule import GroupedTileSchedule
 class GroupedGemmBase:
     """Host-side part common to the arch kernels; subclasses set the class attributes."""
 
-    arch = ""  # CuTeDSL target, e.g. "sm_90a"
     # the first call of each compiled configuration on a device is checked against the
     # reference before use (kernels no GPU of this project has run: moe_mxfp8.selfcheck)
     check_on_first_use = False

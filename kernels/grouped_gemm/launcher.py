@@ -32,13 +32,20 @@ def _ptr(dtype, addr: int, align: int = 16):
     return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
+@functools.cache
+def _kernel(kernel_cls, config):
+    """The kernel object of a configuration for host-side decisions (limits, grid), made once:
+    the launch path asks it on every call."""
+    return kernel_cls(config)
+
+
 def compile_config(kernel_cls, config, options: str | None = None, stream=None):
     """The compiled kernel of one configuration for ``target_arch()``. Token count, group
     count, scale buffer sizes and the grid are runtime Int32 arguments, so one compile serves
     every call. ``options`` (e.g. ``"--keep-cubin"``): compile here, never load from disk."""
 
     def build():
-        kern = kernel_cls(config)
+        kern = kernel_cls(config)  # a fresh object: tracing stores IR values on it
         fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8
         out = TORCH_TO_CUTLASS[config.out_dtype]
         ptrs = [_ptr(t, 0) for t in (fp8, fp8, u8, u8, out)] + [_ptr(Int32, 0, OFFS_ALIGN)]
@@ -64,10 +71,10 @@ def _max_active_clusters(index: int, cluster_size: int) -> int:
         return torch.cuda.get_device_properties(index).multi_processor_count // cluster_size
 
 
-def _grid_clusters(kern, problem: P.GroupedProblem, device: torch.device,
-                   max_clusters: int | None) -> int:
+def _grid_clusters(kern, problem: P.GroupedProblem, max_clusters: int | None) -> int:
     """Persistent grid in clusters: no more than the walk has units for, nor than fit."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    dev = problem.device
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
     per = kern.units_per_cluster()
     units = -(-kern.sched.units_bound(problem.m, problem.num_groups) // per)
     clusters = min(units, _max_active_clusters(index, kern.cluster_size()))
@@ -111,7 +118,7 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
         a_data, b_data, offs = P.align_k_groups(a_data, b_data, offs)
         prob = dataclasses.replace(prob, m=a_data.shape[1])
     config = kernel_cls.select_config(prob, tuning)
-    kern = kernel_cls(config)
+    kern = _kernel(kernel_cls, config)
     ok, why = kern.can_implement(prob)
     if not ok:
         raise ValueError(f"{kernel_cls.__name__} cannot run this problem: {why}")
@@ -120,7 +127,7 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
             raise ValueError(f"{kernel_cls.__name__} needs 16-byte aligned buffers")
     if first_use is not None and kernel_cls.check_on_first_use:
         first_use(kernel_cls, config, prob.device)
-    clusters = _grid_clusters(kern, prob, prob.device, max_clusters)
+    clusters = _grid_clusters(kern, prob, max_clusters)
     stream = current_stream()
     fn = compile_config(kernel_cls, config, stream=stream)
     fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8

@@ -107,7 +107,6 @@ class GroupedGemmSm100Config:
 class GroupedGemmSm100(GroupedGemmBase):
     """Persistent, warp-specialised grouped MXFP8 GEMM for sm_100a (see module docstring)."""
 
-    arch = "sm_100a"
     check_on_first_use = True  # no Blackwell GPU has run it in this project's CI
 
     def __init__(self, config: GroupedGemmSm100Config):
@@ -156,14 +155,10 @@ class GroupedGemmSm100(GroupedGemmBase):
         return 2 if self.cfg.two_cta else 1
 
     @classmethod
-    def pipeline_stages(cls, config: GroupedGemmSm100Config) -> int:
-        """Depth of the operand stage ring (from the kernel's own `_setup`)."""
-        return _pipeline_stages(config)
-
-    @classmethod
     def selfcheck_tiling(cls, config: GroupedGemmSm100Config) -> tuple[int, int]:
-        """(output tile rows, operand ring stages): what a first-use check must wrap."""
-        return config.mma_m, cls.pipeline_stages(config)
+        """(output tile rows, operand ring stages): what a first-use check must wrap; the
+        stage count comes from the kernel's own `_setup`."""
+        return config.mma_m, _pipeline_stages(config)
 
     # ------------------------------------------------------------------ static attributes
     def _setup(self):

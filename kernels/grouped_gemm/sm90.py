@@ -167,7 +167,6 @@ def can_cluster(mode: str, n: int, k: int, cluster_n: int) -> bool:
 class GroupedGemmSm90(GroupedGemmBase):
     """Grouped MXFP8 GEMM for sm_90a; see the module docstring."""
 
-    arch = "sm_90a"
     tile_m = TILE_M
     tile_n = TILE_N
 

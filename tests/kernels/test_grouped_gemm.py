@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 from gemm_cases import (  # noqa: E402  (tests/kernels is on sys.path under pytest)
-    GROUPINGS,  # noqa: F401
     _check,
     _check_wgrad,
     _offs,
