@@ -21,9 +21,14 @@ block):
 
 One program owns an ABLK-row block x CB features (CB a multiple of ABLK), so it can write both
 quantized copies: rowwise (blocks of ABLK along the features) and columnwise (the block's rows of
-every feature, stored transposed) from one read of the BF16 values. Every row of ``[0, M)``
-belongs to exactly one block, so every data byte is written (pad rows as zeros); scale buffers
-start zeroed (the layout's padding bytes), their real bytes are written here.
+every feature, stored transposed). It walks the block in chunks of 32 rows (the tile the
+1x32 kernels measured fastest with, 4 warps): each chunk's values are computed once for the BF16
+and rowwise outputs and the running column maxima. With 32-row blocks the chunk is the block and
+its registers give the columnwise copy too (one read of the inputs); with 128-row blocks the
+columnwise copy needs the whole block's maxima first, so a second walk recomputes each chunk
+from its inputs (re-read from L2) and stores it, instead of holding 128 rows in registers.
+Every row of ``[0, M)`` belongs to exactly one block, so every data byte is written (pad rows as
+zeros); scale buffers start zeroed (the layout's padding bytes), their real bytes are written here.
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ ACT_BLOCKS = (BLOCK_SIZE, BLOCK_128)  # activation block lengths (ABLK) the kern
 TBL_COLS = 6  # block-table columns (see the module doc)
 COL_TILE = 128  # features per program (a multiple of every ABLK)
 TOK_TILE = 16  # tokens per program in the per-token kernels
-# Warps per row-block program. 32 x 128 tiles: 4 (H100, dsv3 shape, 2026-11-23: 8 warps were
-# 38-65% slower per kernel). 128 x 128 tiles: 16 (ptxas: 8 warps spill in the SwiGLU backward).
-ROW_WARPS = {BLOCK_SIZE: 4, BLOCK_128: 16}
+CHUNK_ROWS = BLOCK  # rows a row-block program computes at a time (RB)
+# Warps per row-block program, whose chunks are 32 x 128: 4 (H100, dsv3 shape, 2026-11-23: 8
+# warps were 38-65% slower per kernel, docs/NOTES.md).
+ROW_WARPS = {BLOCK_SIZE: 4, BLOCK_128: 4}
 # Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
 ROW_ALIGN = K_GROUP_ALIGN
@@ -148,30 +154,39 @@ def _quant_rows(x, rows, rmask, prow, cols, cmask, blk, bmask, q_ptr, s_ptr, ld,
 
 
 @triton.jit
-def _quant_cols(x, rows, rmask, feats, fmask, q_ptr, s_ptr, m, base, lblk, nblk, nrows,
-                INTERP: tl.constexpr, ABLK: tl.constexpr):
-    """Columnwise MXFP8 of the fp32 tile ``x (ABLK, CB)``: one block of the ``nrows`` (up to
-    ABLK) rows per feature, stored transposed at ``q[feat, row]`` (row stride ``m``); rows
-    outside the block must be zero in ``x``. The block's byte goes to each of its 32-blocks
-    that holds a row, at ``base + packed(feat, 32-block)`` of the group's matrix (``lblk``,
-    ``nblk``: the block's index and count in ABLK blocks)."""
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    byte, inv = _scale_from_amax(tl.max(bits, axis=0))
+def _col_amax(x):
+    """(RB, CB) fp32 -> (CB,) int32 bits of each column's |amax| (rows outside the block are
+    zero in ``x``)."""
+    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+
+
+@triton.jit
+def _store_cols(x, inv, rows, rmask, feats, fmask, q_ptr, m, INTERP: tl.constexpr):
+    """Columnwise E4M3 bytes of the fp32 tile ``x (RB, CB)`` with the per-feature ``inv`` =
+    2^-e, stored transposed at ``q[feat, row]`` (row stride ``m``)."""
     v = tl.minimum(tl.maximum(x * inv[None, :], -448.0), 448.0)
     q = _e4m3_byte(v, INTERP)
-    f64 = feats.to(tl.int64)
-    tl.store(q_ptr + f64[None, :] * m + rows[:, None], q, mask=rmask[:, None] & fmask[None, :])
+    tl.store(q_ptr + feats.to(tl.int64)[None, :] * m + rows[:, None], q,
+             mask=rmask[:, None] & fmask[None, :])
+
+
+@triton.jit
+def _store_col_scales(byte, feats, fmask, s_ptr, base, lblk, nblk, nrows, ABLK: tl.constexpr):
+    """The block's byte per feature, into each of its 32-blocks that holds a row, at ``base +
+    packed(feat, 32-block)`` of the group's matrix (``lblk``, ``nblk``: the block's index and
+    count in ABLK blocks, ``nrows``: its rows)."""
     sub: tl.constexpr = ABLK // QBLK
+    f64 = feats.to(tl.int64)
     for i in tl.static_range(sub):
         off = base + _packed_offset(f64, lblk * sub + i, nblk * sub)
         tl.store(s_ptr + off, byte.to(tl.uint8), mask=fmask & (nrows > QBLK * i))
 
 
 @triton.jit
-def _block(tbl_ptr, RB: tl.constexpr, RALIGN: tl.constexpr):
-    """Rows of this program's block and the block's layout constants (see the module doc).
-    ``RALIGN``: every group starts (and so every block starts and ends) on a multiple of it;
-    told to the compiler, it lets the columnwise copy's transposed rows go out as 16-byte
+def _block(tbl_ptr, RALIGN: tl.constexpr):
+    """This program's ABLK-row block: rows [rs, re) and the layout constants (see the module
+    doc). ``RALIGN``: every group starts (and so every block starts and ends) on a multiple of
+    it; told to the compiler, it lets the columnwise copy's transposed rows go out as 16-byte
     stores instead of single bytes."""
     j = tl.program_id(0).to(tl.int64) * 6
     rs = tl.load(tbl_ptr + j)
@@ -183,38 +198,43 @@ def _block(tbl_ptr, RB: tl.constexpr, RALIGN: tl.constexpr):
     tiles = tl.load(tbl_ptr + j + 3).to(tl.int64)
     lblk = tl.load(tbl_ptr + j + 4)
     nblk = tl.load(tbl_ptr + j + 5)
-    rows = rs + tl.arange(0, RB)
-    return rows, rows < re, prow0 + rows, tiles, lblk, nblk, re - rs
+    return rs, re, prow0, tiles, lblk, nblk
 
 
 @triton.jit
-def _row_tile(tbl_ptr, src_ptr, F, RB: tl.constexpr, CB: tl.constexpr, RALIGN: tl.constexpr):
-    """`_block`, then this program's CB of the ``F`` features (``cols``, ``cmask``), the source
-    pair of every row (``src``, -1 on pad rows) and which rows hold one (``ok``); ``nrows``:
-    the block's row count (0: an unused block)."""
-    rows, rmask, prow, tiles, lblk, nblk, nrows = _block(tbl_ptr, RB, RALIGN)
+def _chunk(rs, re, c, RB: tl.constexpr):
+    """Rows of chunk ``c`` (RB rows) of the block [rs, re) and which of them are in it."""
+    rows = rs + c * RB + tl.arange(0, RB)
+    return rows, rows < re
+
+
+@triton.jit
+def _cols(F, CB: tl.constexpr):
+    """This program's CB of the ``F`` features and which of them exist."""
     cols = tl.program_id(1) * CB + tl.arange(0, CB)
-    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
-    return rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cols < F, src, rmask & (src >= 0)
+    return cols, cols < F
 
 
 @triton.jit
-def _write_tile(v, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, off, n, ld,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP,
-                QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
-                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr):
-    """The fp32 tile ``v`` of a row-block kernel, features ``cols`` of ``n``, stored at column
-    ``cols + off`` of output rows ``ld`` wide: BF16, rowwise and/or columnwise MXFP8."""
+def _pairs(src_ptr, rows, rmask):
+    """The source pair of every row (-1 on pad rows) and which rows hold one."""
+    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
+    return src, rmask & (src >= 0)
+
+
+@triton.jit
+def _write_rows(v, rows, rmask, prow0, cols, cmask, off, n, ld, qr_ptr, sr_ptr, out_ptr,
+                QROW: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr,
+                RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr):
+    """A chunk's fp32 tile ``v``, features ``cols`` of ``n``, stored at column ``cols + off``
+    of output rows ``ld`` wide: BF16 and/or rowwise MXFP8 (blocks of ABLK along the features)."""
     if BF16:
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * ld + (cols + off)[None, :],
                  v.to(tl.bfloat16), mask=rmask[:, None] & cmask[None, :])
     if QROW:
         blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
-        _quant_rows(v, rows, rmask, prow, cols + off, cmask, blk + off // QBLK, blk < n // QBLK,
-                    qr_ptr, sr_ptr, ld, ld // QBLK, INTERP, RB, CB, ABLK)
-    if QCOL:
-        _quant_cols(v, rows, rmask, cols + off, cmask, qc_ptr, sc_ptr, M, tiles * RP * 4, lblk,
-                    nblk, nrows, INTERP, ABLK)
+        _quant_rows(v, rows, rmask, prow0 + rows, cols + off, cmask, blk + off // QBLK,
+                    blk < n // QBLK, qr_ptr, sr_ptr, ld, ld // QBLK, INTERP, RB, CB, ABLK)
 
 
 @triton.jit
@@ -233,19 +253,39 @@ def _token_tile(T, D, TB: tl.constexpr, CB: tl.constexpr):
 
 
 @triton.jit
+def _dispatch_rows(x_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK):
+    """fp32 ``x[token of the row's pair]`` of a chunk's rows (zero on pad rows)."""
+    src, valid = _pairs(src_ptr, rows, rmask)
+    tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
+    return tl.load(x_ptr + tok[:, None] * D + cols[None, :], mask=valid[:, None] & cmask[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _dispatch_kernel(x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
                      D, M, TOPK, RP,
                      QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                      INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
                      ABLK: tl.constexpr, RALIGN: tl.constexpr):
-    rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, src, valid = _row_tile(
-        tbl_ptr, src_ptr, D, RB, CB, RALIGN)
-    tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
-    x = tl.load(x_ptr + tok[:, None] * D + cols[None, :], mask=valid[:, None] & cmask[None, :],
-                other=0.0).to(tl.float32)
-    _write_tile(x, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, D, D,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB,
-                ABLK)
+    rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, RALIGN)
+    cols, cmask = _cols(D, CB)
+    camax = tl.zeros((CB,), dtype=tl.int32)
+    x = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
+    for c in range(ABLK // RB):
+        rows, rmask = _chunk(rs, re, c, RB)
+        x = _dispatch_rows(x_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK)
+        _write_rows(x, rows, rmask, prow0, cols, cmask, 0, D, D, qr_ptr, sr_ptr, out_ptr, QROW,
+                    BF16, INTERP, RB, CB, ABLK)
+        if QCOL:
+            camax = tl.maximum(camax, _col_amax(x))
+    if QCOL:
+        byte, inv = _scale_from_amax(camax)
+        for c in range(ABLK // RB):
+            rows, rmask = _chunk(rs, re, c, RB)
+            if ABLK != RB:  # read again (L2) rather than hold the whole block in registers
+                x = _dispatch_rows(x_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK)
+            _store_cols(x, inv, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
+        _store_col_scales(byte, cols, cmask, sc_ptr, tiles * RP * 4, lblk, nblk, re - rs, ABLK)
 
 
 @triton.jit
@@ -287,19 +327,39 @@ def _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_rows(h_ptr, src_ptr, rows, rmask, cols, cmask, H, INTERP: tl.constexpr):
+    """A chunk's fp32 ``a``: PyTorch's BF16 `F.silu(gate) * up` (silu in fp32 rounded to BF16,
+    the product rounded to BF16); zero on pad rows."""
+    _, ok = _pairs(src_ptr, rows, rmask)
+    _, g, u, s = _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP)
+    return _rbf(s * u, INTERP)
+
+
+@triton.jit
 def _swiglu_fwd_kernel(h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
                        H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                        INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
                        ABLK: tl.constexpr, RALIGN: tl.constexpr):
-    rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, _, ok = _row_tile(
-        tbl_ptr, src_ptr, H, RB, CB, RALIGN)
-    _, g, u, s = _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP)
-    # PyTorch's BF16 `F.silu(gate) * up`: silu in fp32 rounded to BF16, product rounded to BF16.
-    a = _rbf(s * u, INTERP)
-    _write_tile(a, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, H, H,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB,
-                ABLK)
+    rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, RALIGN)
+    cols, cmask = _cols(H, CB)
+    camax = tl.zeros((CB,), dtype=tl.int32)
+    a = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
+    for c in range(ABLK // RB):
+        rows, rmask = _chunk(rs, re, c, RB)
+        a = _swiglu_rows(h_ptr, src_ptr, rows, rmask, cols, cmask, H, INTERP)
+        _write_rows(a, rows, rmask, prow0, cols, cmask, 0, H, H, qr_ptr, sr_ptr, out_ptr, QROW,
+                    BF16, INTERP, RB, CB, ABLK)
+        if QCOL:
+            camax = tl.maximum(camax, _col_amax(a))
+    if QCOL:
+        byte, inv = _scale_from_amax(camax)
+        for c in range(ABLK // RB):
+            rows, rmask = _chunk(rs, re, c, RB)
+            if ABLK != RB:  # recompute (inputs from L2) rather than hold the whole block
+                a = _swiglu_rows(h_ptr, src_ptr, rows, rmask, cols, cmask, H, INTERP)
+            _store_cols(a, inv, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
+        _store_col_scales(byte, cols, cmask, sc_ptr, tiles * RP * 4, lblk, nblk, re - rs, ABLK)
 
 
 @triton.jit
@@ -313,6 +373,16 @@ def _swiglu_grads(da, g, u, s, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, fmask, H, INTERP: tl.constexpr):
+    """A chunk's fp32 (dgate, dup) of features ``feats`` (zero on pad rows)."""
+    _, ok = _pairs(src_ptr, rows, rmask)
+    valid, g, u, s = _gate_up(h_ptr, rows, ok, feats, fmask, H, INTERP)
+    da = tl.load(da_ptr + rows.to(tl.int64)[:, None] * H + feats[None, :], mask=valid,
+                 other=0.0).to(tl.float32)
+    return _swiglu_grads(da, g, u, s, INTERP)
+
+
+@triton.jit
 def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
                        H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
@@ -323,30 +393,50 @@ def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, 
     owns CB features and writes them in both halves, like the forward's output. ``JOINT``: a
     block along the 2H features may straddle the halves (1x128 blocks, H % 128 != 0), so a
     program owns CB of the 2H output columns and reads, per column, its feature's inputs."""
+    rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, RALIGN)
     if JOINT:
-        rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, _, ok = _row_tile(
-            tbl_ptr, src_ptr, 2 * H, RB, CB, RALIGN)
+        cols, cmask = _cols(2 * H, CB)
         feats = tl.where(cols < H, cols, cols - H)
     else:
-        rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, _, ok = _row_tile(
-            tbl_ptr, src_ptr, H, RB, CB, RALIGN)
+        cols, cmask = _cols(H, CB)
         feats = cols
-    valid, g, u, s = _gate_up(h_ptr, rows, ok, feats, cmask, H, INTERP)
-    da = tl.load(da_ptr + rows.to(tl.int64)[:, None] * H + feats[None, :], mask=valid,
-                 other=0.0).to(tl.float32)
-    dg, dup = _swiglu_grads(da, g, u, s, INTERP)
-    if JOINT:
-        dh = tl.where((cols < H)[None, :], dg, dup)
-        _write_tile(dh, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, 2 * H, 2 * H,
-                    qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB,
-                    CB, ABLK)
-    else:
-        _write_tile(dg, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, H, 2 * H,
-                    qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB,
-                    CB, ABLK)
-        _write_tile(dup, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, H, H, 2 * H,
-                    qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB,
-                    CB, ABLK)
+    amax_g = tl.zeros((CB,), dtype=tl.int32)  # JOINT: of dh
+    amax_u = tl.zeros((CB,), dtype=tl.int32)
+    dg = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
+    dup = tl.zeros((RB, CB), dtype=tl.float32)
+    for c in range(ABLK // RB):
+        rows, rmask = _chunk(rs, re, c, RB)
+        dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H, INTERP)
+        if JOINT:
+            dg = tl.where((cols < H)[None, :], dg, dup)
+            _write_rows(dg, rows, rmask, prow0, cols, cmask, 0, 2 * H, 2 * H, qr_ptr, sr_ptr,
+                        out_ptr, QROW, BF16, INTERP, RB, CB, ABLK)
+        else:
+            _write_rows(dg, rows, rmask, prow0, cols, cmask, 0, H, 2 * H, qr_ptr, sr_ptr,
+                        out_ptr, QROW, BF16, INTERP, RB, CB, ABLK)
+            _write_rows(dup, rows, rmask, prow0, cols, cmask, H, H, 2 * H, qr_ptr, sr_ptr,
+                        out_ptr, QROW, BF16, INTERP, RB, CB, ABLK)
+        if QCOL:
+            amax_g = tl.maximum(amax_g, _col_amax(dg))
+            if not JOINT:
+                amax_u = tl.maximum(amax_u, _col_amax(dup))
+    if QCOL:
+        base = tiles * RP * 4
+        byte_g, inv_g = _scale_from_amax(amax_g)
+        byte_u, inv_u = _scale_from_amax(amax_u)
+        for c in range(ABLK // RB):
+            rows, rmask = _chunk(rs, re, c, RB)
+            if ABLK != RB:  # recompute (inputs from L2) rather than hold the whole block
+                dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H,
+                                           INTERP)
+                if JOINT:
+                    dg = tl.where((cols < H)[None, :], dg, dup)
+            _store_cols(dg, inv_g, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
+            if not JOINT:
+                _store_cols(dup, inv_u, rows, rmask, cols + H, cmask, qc_ptr, M, INTERP)
+        _store_col_scales(byte_g, cols, cmask, sc_ptr, base, lblk, nblk, re - rs, ABLK)
+        if not JOINT:
+            _store_col_scales(byte_u, cols + H, cmask, sc_ptr, base, lblk, nblk, re - rs, ABLK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,6 +461,19 @@ def _combine_fwd_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, T, D, TOPK: tl.constexp
 
 
 @triton.jit
+def _combine_bwd_rows(dout_ptr, w_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK,
+                      INTERP: tl.constexpr):
+    """A chunk's fp32 dy = bf16(dout[t] * bf16(w[t, j])) (zero on pad rows), the fp32 dout
+    rows ``g`` it came from and their mask."""
+    src, valid = _pairs(src_ptr, rows, rmask)
+    m2 = valid[:, None] & cmask[None, :]
+    tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
+    w = _rbf(tl.load(w_ptr + tl.where(valid, src, 0), mask=valid, other=0.0), INTERP)
+    g = tl.load(dout_ptr + tok[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    return _rbf(g * w[:, None], INTERP), g, m2
+
+
+@triton.jit
 def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr,
                         sc_ptr, out_ptr, part_ptr, D, M, TOPK, RP,
                         QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
@@ -380,22 +483,32 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr
     """Sorted-row gradient dy[r] = bf16(dout[t] * bf16(w[t, j])) for the pair (t, j) of row r
     (zero for pad rows), quantized and/or BF16, and the partial routing-weight gradients
     part[col tile, r] = sum over the tile's features of bf16(dout[t] * y[r]) (fp32)."""
-    rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, src, valid = _row_tile(
-        tbl_ptr, src_ptr, D, RB, CB, RALIGN)
-    m2 = valid[:, None] & cmask[None, :]
-    tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
-    w = tl.load(w_ptr + tl.where(valid, src, 0), mask=valid, other=0.0)
-    w = _rbf(w, INTERP)
-    g = tl.load(dout_ptr + tok[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    dy = _rbf(g * w[:, None], INTERP)
-    _write_tile(dy, rows, rmask, prow, tiles, lblk, nblk, nrows, cols, cmask, 0, D, D,
-                qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, M, RP, QROW, QCOL, BF16, INTERP, RB, CB,
-                ABLK)
-    if DW:
-        yv = tl.load(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=m2, other=0.0).to(
-            tl.float32)
-        part = tl.sum(_rbf(g * yv, INTERP), axis=1)
-        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M + rows, part, mask=rmask)
+    rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, RALIGN)
+    cols, cmask = _cols(D, CB)
+    camax = tl.zeros((CB,), dtype=tl.int32)
+    dy = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
+    for c in range(ABLK // RB):
+        rows, rmask = _chunk(rs, re, c, RB)
+        dy, g, m2 = _combine_bwd_rows(dout_ptr, w_ptr, src_ptr, rows, rmask, cols, cmask, D,
+                                      TOPK, INTERP)
+        _write_rows(dy, rows, rmask, prow0, cols, cmask, 0, D, D, qr_ptr, sr_ptr, out_ptr, QROW,
+                    BF16, INTERP, RB, CB, ABLK)
+        if QCOL:
+            camax = tl.maximum(camax, _col_amax(dy))
+        if DW:
+            yv = tl.load(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=m2,
+                         other=0.0).to(tl.float32)
+            part = tl.sum(_rbf(g * yv, INTERP), axis=1)
+            tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M + rows, part, mask=rmask)
+    if QCOL:
+        byte, inv = _scale_from_amax(camax)
+        for c in range(ABLK // RB):
+            rows, rmask = _chunk(rs, re, c, RB)
+            if ABLK != RB:  # read again (L2) rather than hold the whole block in registers
+                dy, g, m2 = _combine_bwd_rows(dout_ptr, w_ptr, src_ptr, rows, rmask, cols, cmask,
+                                              D, TOPK, INTERP)
+            _store_cols(dy, inv, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
+        _store_col_scales(byte, cols, cmask, sc_ptr, tiles * RP * 4, lblk, nblk, re - rs, ABLK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +534,7 @@ def _row_meta(ablk: int, aligned: bool) -> dict:
     ``aligned``: every group starts on a multiple of `ROW_ALIGN` rows."""
     if ablk not in ACT_BLOCKS:
         raise ValueError(f"activation block must be one of {ACT_BLOCKS}, got {ablk}")
-    return {"INTERP": INTERPRET, "RB": ablk, "CB": COL_TILE, "ABLK": ablk,
+    return {"INTERP": INTERPRET, "RB": CHUNK_ROWS, "CB": COL_TILE, "ABLK": ablk,
             "RALIGN": ROW_ALIGN if aligned else 1, "num_warps": ROW_WARPS[ablk]}
 
 

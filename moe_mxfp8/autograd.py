@@ -54,6 +54,7 @@ from . import layout as L
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .kernels.mx_format import K_GROUP_ALIGN
 from .mx_tensor import MXFP8Tensor
+from .op_library import define_op
 from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
 from .reference import SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 
@@ -165,7 +166,7 @@ def _check_args(
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_mxfp8::grouped_mm_fwd", mutates_args=())
+@define_op("moe_mxfp8::grouped_mm_fwd")
 def _grouped_mm_fwd(
     x: Tensor,
     w_t: Tensor,
@@ -215,7 +216,7 @@ def _grouped_mm_fwd_fake(x, w_t, offs, backend, wgrad, save_colwise, scale_block
     return y, x.new_empty(k, m, dtype=torch.uint8), x.new_empty(nbytes, dtype=torch.uint8)
 
 
-@torch.library.custom_op("moe_mxfp8::grouped_mm_bwd", mutates_args=())
+@define_op("moe_mxfp8::grouped_mm_bwd")
 def _grouped_mm_bwd(
     grad_out: Tensor,
     x: Tensor | None,

@@ -57,6 +57,7 @@ from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 from .kernels.mx_format import padded_extent as mx_padded_extent
 from .mx_tensor import MXFP8Tensor
+from .op_library import define_op
 from .quantize import quantize_weights
 
 BF16 = torch.bfloat16
@@ -435,7 +436,7 @@ def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str) -> MXFP8Te
                             backend=backend)
 
 
-@torch.library.custom_op("moe_mxfp8::routed_experts_fwd", mutates_args=())
+@define_op("moe_mxfp8::routed_experts_fwd")
 def _routed_experts_fwd(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, save: bool,
@@ -512,7 +513,7 @@ def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, o
     return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)
 
 
-@torch.library.custom_op("moe_mxfp8::routed_experts_bwd", mutates_args=())
+@define_op("moe_mxfp8::routed_experts_bwd")
 def _routed_experts_bwd(
     dout: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, sx: Tensor, sx_scale: Tensor, h: Tensor, sa: Tensor, sa_scale: Tensor,

@@ -177,8 +177,19 @@ def _all_to_all(send: Tensor, out_rows: int, out_splits, in_splits, group) -> Te
 
 
 def pack_mxfp8_rows(x: Tensor, index: Tensor, backend: str) -> Tensor:
-    """Quantize ``x (T, D)`` rowwise once and gather rows ``index`` as uint8 payload rows
-    ``[D E4M3 bytes | D/32 E8M0 scale bytes]`` ``(len(index), D + D/32)``."""
+    """Rows ``x[index]`` of ``x (T, D)``, quantized rowwise, as uint8 payload rows ``[D E4M3
+    bytes | D/32 E8M0 scale bytes]`` ``(len(index), D + D/32)``: one Triton kernel on CUDA
+    (gather, quantize and pack in one pass), `pack_mxfp8_rows_ref` otherwise."""
+    x = x.detach().to(COMPUTE_DTYPE).contiguous()
+    if DP.use_triton(x, backend):
+        from .kernels import ep_payload_triton
+
+        return ep_payload_triton.pack_rows(x, index.contiguous())
+    return pack_mxfp8_rows_ref(x, index, backend)
+
+
+def pack_mxfp8_rows_ref(x: Tensor, index: Tensor, backend: str = "reference") -> Tensor:
+    """`pack_mxfp8_rows` from the rowwise quantizer (``backend``) and PyTorch gathers."""
     t, d = x.shape
     nb = d // L.BLOCK_SIZE
     if t == 0:
@@ -188,15 +199,31 @@ def pack_mxfp8_rows(x: Tensor, index: Tensor, backend: str) -> Tensor:
     rr = torch.arange(t, device=x.device)[:, None]
     cc = torch.arange(nb, device=x.device)[None, :]
     scales = q.scale.reshape(-1)[L.packed_scale_offset(rr, cc, nb)]  # (T, D/32)
-    return torch.cat([q.data.view(torch.uint8), scales], dim=1)[index]
+    # Gathered straight into the payload (no (T, D + D/32) intermediate).
+    rows = x.new_empty(index.numel(), d + nb, dtype=torch.uint8)
+    rows[:, :d] = q.data.view(torch.uint8)[index]
+    rows[:, d:] = scales[index]
+    return rows
 
 
-def unpack_mxfp8_rows(rows: Tensor, d: int) -> Tensor:
-    """Payload rows ``(R, D + D/32)`` uint8 -> ``(R, D)`` BF16 (``E4M3 * 2^(s - 127)``)."""
-    data = rows[:, :d].view(FP8).to(torch.float32)
-    scale = e8m0_to_float32(rows[:, d:])  # (R, D/32)
+def unpack_mxfp8_rows(rows: Tensor, d: int, backend: str = "auto") -> Tensor:
+    """Payload rows ``(R, D + D/32)`` uint8 -> ``(R, D)`` BF16 (``E4M3 * 2^(s - 127)``): one
+    Triton kernel on CUDA, `unpack_mxfp8_rows_ref` otherwise."""
+    if DP.use_triton(rows, backend):
+        from .kernels import ep_payload_triton
+
+        return ep_payload_triton.unpack_rows(rows.contiguous(), d)
+    return unpack_mxfp8_rows_ref(rows, d)
+
+
+def unpack_mxfp8_rows_ref(rows: Tensor, d: int) -> Tensor:
+    """`unpack_mxfp8_rows` in PyTorch, in BF16 throughout: E4M3 values and powers of two are
+    exact in BF16, and a BF16 product is the FP32 product rounded once, so this equals the FP32
+    dequantization rounded to BF16 while moving half the bytes."""
+    data = rows[:, :d].view(FP8).to(COMPUTE_DTYPE)
+    scale = e8m0_to_float32(rows[:, d:]).to(COMPUTE_DTYPE)  # (R, D/32), exact
     data = rearrange(data, "r (b k) -> r b k", k=L.BLOCK_SIZE) * scale[..., None]
-    return rearrange(data, "r b k -> r (b k)").to(COMPUTE_DTYPE)
+    return rearrange(data, "r b k -> r (b k)")
 
 
 def _send_rows(x: Tensor, index: Tensor, payload: str, backend: str, plan: _Plan,
@@ -210,7 +237,7 @@ def _send_rows(x: Tensor, index: Tensor, payload: str, backend: str, plan: _Plan
     if payload == "mxfp8":
         rows = pack_mxfp8_rows(x, index, backend)
         got = _all_to_all(rows, n_out, out_splits, in_splits, plan.group)
-        return unpack_mxfp8_rows(got, x.shape[1])
+        return unpack_mxfp8_rows(got, x.shape[1], backend)
     return _all_to_all(x.to(COMPUTE_DTYPE)[index], n_out, out_splits, in_splits, plan.group)
 
 

@@ -15,10 +15,10 @@ GROUP_AXES = (None, "rows", "k", "experts")
 def e8m0_to_float32(b: torch.Tensor) -> torch.Tensor:
     """uint8 E8M0 bytes -> float32 ``2^(b-127)``; 0xFF -> NaN. Exact (built from the bits)."""
     bi = b.to(torch.int32)
-    # b = 0 is 2^-127, an fp32 subnormal: bit pattern 0x00400000.
+    # b = 0 is 2^-127, an fp32 subnormal (bits 0x00400000), exact as a fill value; a fill,
+    # not a tensor built from a Python int, which would be a host->device copy (a host sync).
     normal = (bi << 23).view(torch.float32)
-    val = torch.where(bi == 0, torch.tensor(0x00400000, dtype=torch.int32, device=b.device)
-                      .view(torch.float32), normal)
+    val = torch.where(bi == 0, torch.full_like(normal, 2.0**-127), normal)
     return torch.where(bi == E8M0_NAN, torch.full_like(val, float("nan")), val)
 
 

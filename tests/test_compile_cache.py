@@ -489,3 +489,24 @@ def test_second_process_loads_without_retrace(tmp_path):
         assert torch.isfinite(b[name]).all()
         torch.testing.assert_close(b[name], a[name], rtol=1e-2, atol=1e-2)
     print(f"first process {first['sec']:.2f} s, second {second['sec']:.2f} s")
+
+
+def test_first_step_imports_no_dynamo():
+    """A new process's first forward+backward of the layer (both precisions) does not import
+    torch._dynamo: the layer's operators are defined through `moe_mxfp8.op_library`, not
+    ``torch.library.custom_op``, whose first call imports it (0.9 s, docs/NOTES.md)."""
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        from moe_mxfp8 import MXFP8MoE
+        for precision in ("mxfp8", "bf16"):
+            m = MXFP8MoE(64, 64, 4, 2, precision=precision)
+            x = torch.randn(40, 64).to(torch.bfloat16).requires_grad_()
+            m(x).float().sum().backward()
+            assert x.grad is not None
+        print("dynamo imported:", "torch._dynamo" in sys.modules)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "dynamo imported: False" in res.stdout

@@ -19,9 +19,13 @@ ranks hold different token counts (one rank none at world size 4).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import socket
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,6 +271,104 @@ class _TitanMoE(torch.nn.Module):
         self.experts = _TitanGroupedExperts(dim, hidden_dim, num_experts)
 
 
+def test_payload_unpack_in_bf16_equals_fp32_dequantization():
+    """Every E4M3 code (NaN excluded) at every finite scale byte: the payload's BF16 unpack
+    equals the FP32 dequantization rounded to BF16 bit for bit (subnormal and overflowing
+    products included), and the pack/unpack round trip of quantized rows is the dequantized
+    rowwise quantization."""
+    from moe_mxfp8 import reference as R
+    from moe_mxfp8.mx_tensor import e8m0_to_float32
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]  # 254 codes
+    data = codes.repeat(255).view(255, -1)[:, :224]  # 255 rows (scale bytes) x 7 blocks
+    data = torch.cat([data, codes.repeat(255).view(255, -1)[:, 30:254]], 1)  # every code
+    scale = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].expand(-1, 14)
+    rows = torch.cat([data, scale], 1)
+    got = EP.unpack_mxfp8_rows_ref(rows, 448)
+    f = data.view(torch.float8_e4m3fn).float().view(255, 14, 32)
+    want = (f * e8m0_to_float32(scale)[..., None]).view(255, 448).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+    x = (torch.randn(64, 256) * 3).to(torch.bfloat16)
+    idx = torch.tensor([5, 0, 63, 5, 17])
+    back = EP.unpack_mxfp8_rows_ref(EP.pack_mxfp8_rows_ref(x, idx), 256)
+    want = R.quantize_rowwise_ref(x, scale_layout="dense").dequantize(torch.float32)
+    assert torch.equal(back, want.to(torch.bfloat16)[idx])
+
+
+def check_payload_kernels(gen, device):
+    """The payload's Triton pack/unpack kernels against their references on ``device``: bytes
+    bit for bit (poisoned outputs), BF16 bit for bit; uneven sizes (D with a partial 128-column
+    tile, R not a multiple of the program's rows), repeated and unordered indices, rows of
+    zeros, tiny and huge magnitudes; every E4M3 code at every finite scale byte."""
+    from moe_mxfp8.kernels import ep_payload_triton as K
+
+    for t, d, r in ((37, 160, 53), (300, 2048, 1000), (1, 32, 1)):
+        x = torch.randn(t, d, generator=gen) * torch.logspace(-30, 30, t)[:, None]
+        x[t // 2] = 0
+        x = x.to(torch.bfloat16).to(device)
+        idx = torch.randint(t, (r,), generator=gen).to(device)
+        got = K.pack_rows(x, idx)
+        want = EP.pack_mxfp8_rows_ref(x.cpu(), idx.cpu())
+        assert torch.equal(got.cpu(), want), (t, d, r)
+        back = K.unpack_rows(got, d)
+        assert torch.equal(back.cpu().view(torch.int16),
+                           EP.unpack_mxfp8_rows_ref(want, d).view(torch.int16)), (t, d, r)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]
+    data = torch.cat([codes.repeat(255).view(255, -1)[:, :224],
+                      codes.repeat(255).view(255, -1)[:, 30:254]], 1)
+    scale = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].expand(-1, 14)
+    rows = torch.cat([data, scale], 1)
+    got = K.unpack_rows(rows.to(device), 448).cpu()
+    assert torch.equal(got.view(torch.int16), EP.unpack_mxfp8_rows_ref(rows, 448).view(torch.int16))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                    reason="Triton interpreter run (CPU machine with Triton installed)")
+def test_payload_kernels_interpreter(gen):
+    """`check_payload_kernels` in Triton's interpreter (a subprocess: the interpreter must be
+    chosen before Triton is first imported)."""
+    seed = int(torch.randint(2**62, (1,), generator=gen))
+    code = ("import torch; from tests.test_expert_parallel import check_payload_kernels as c;"
+            f"c(torch.Generator().manual_seed({seed}), 'cpu')")
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, (seed, res.stderr[-3000:])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("name", ["_pack_kernel", "_unpack_kernel"])
+def test_payload_kernels_compile_for_sm90(name):
+    """Both payload kernels compile for sm_90 without a GPU (Triton's own ptxas), and the
+    unpack keeps FP32 subnormals (no flush-to-zero multiply: tiny scales must dequantize as the
+    reference does)."""
+    import inspect
+
+    import triton
+    from moe_mxfp8.kernels import ep_payload_triton as K
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(K, name)
+    consts = {"INTERP": False, "RB": K.ROWS, "CB": K.COLS}
+    types = {"x_ptr": "*bf16", "out_ptr": "*u8" if name == "_pack_kernel" else "*bf16",
+             "idx_ptr": "*i64", "rows_ptr": "*u8"}
+    sig = {a: "constexpr" if a in consts else types.get(a, "i32")
+           for a in inspect.signature(fn.fn).parameters}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert ".target sm_90" in k.asm["ptx"] and ".ftz" not in k.asm["ptx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_payload_kernels_bit_exact(gen):
+    check_payload_kernels(gen, "cuda")
+
+
 def test_grouped_experts_is_mxfp8moe_expert_path(gen):
     """MXFP8MoE's layer rebuilt torchtitan-style (route, permute into the padded layout, call
     the experts module with the padded counts, un-permute, weigh) with `MXFP8GroupedExperts`
@@ -377,22 +479,32 @@ def test_ep_options_are_checked():
 
 
 def _count_syncs(fn) -> int:
-    """Host syncs of ``fn()`` on CUDA (torch's sync debug mode, one warning per sync)."""
+    """Host syncs of ``fn()`` on CUDA (torch's sync debug mode, one warning per sync); prints
+    where each came from (the innermost moe_mxfp8 frames of its Python stack)."""
+    import traceback
     import warnings
 
+    where = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        # one "called a synchronizing CUDA operation" warning per sync (the mode's own notice
+        # that it is a prototype is not one)
+        if "called a synchronizing" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "moe_mxfp8" in f.filename]
+            where.append(" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                                     for f in reversed(frames[-4:])) or f"{filename}:{lineno}")
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    # one "called a synchronizing CUDA operation" warning per sync (the mode's own notice that
-    # it is a prototype is not one)
-    msgs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
-    print(f"{len(msgs)} host sync(s):", msgs)
-    return len(msgs)
+    print(f"{len(where)} host sync(s):", *where, sep="\n  ")
+    return len(where)
 
 
 @pytest.mark.gpu

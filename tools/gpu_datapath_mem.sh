@@ -10,16 +10,18 @@
 #   run  carry=[".devsite"]  command: bash tools/gpu_datapath_mem.sh
 # Env: SHAPES (default qwen3,mixtral,dsv3), LAYER_OPTS (default: --no-breakdown --memory),
 #      LAYER_ARGS, LAYER2_ARGS (a second benchmark run),
-#      TESTS (pytest paths), TEST_K (pytest -k), SKIP_TESTS, SKIP_KERNELS, *_TIMEOUT.
+#      TESTS (pytest paths), TEST_K (pytest -k), SKIP_LAYER, SKIP_TESTS, SKIP_KERNELS, *_TIMEOUT.
 set -uo pipefail
 source tools/device_prelude.sh name,driver_version
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-echo "== layer: memory (per phase, alive at the peak) and time, fwd+bwd"
-timeout "${LAYER_TIMEOUT:-120}" python -m benchmarks.bench_moe_layer \
-  --shapes "${SHAPES:-qwen3,mixtral,dsv3}" --skews 0 --passes fwd+bwd \
-  ${LAYER_OPTS---no-breakdown --memory} ${LAYER_ARGS:-} --json "$OUT/layer.json" 2>&1 \
-  | grep -v "Warn\|range_const" > "$OUT/layer.txt"
-echo "layer rc=$? (${SECONDS}s)"
+if [ -z "${SKIP_LAYER:-}" ]; then
+  echo "== layer: memory (per phase, alive at the peak) and time, fwd+bwd"
+  timeout "${LAYER_TIMEOUT:-120}" python -m benchmarks.bench_moe_layer \
+    --shapes "${SHAPES:-qwen3,mixtral,dsv3}" --skews 0 --passes fwd+bwd \
+    ${LAYER_OPTS---no-breakdown --memory} ${LAYER_ARGS:-} --json "$OUT/layer.json" 2>&1 \
+    | grep -v "Warn\|range_const" > "$OUT/layer.txt"
+  echo "layer rc=$? (${SECONDS}s)"
+fi
 if [ -n "${LAYER2_ARGS:-}" ]; then
   echo "== layer (2): $LAYER2_ARGS"
   timeout "${LAYER2_TIMEOUT:-80}" python -m benchmarks.bench_moe_layer --skews 0 --passes fwd+bwd \
@@ -56,7 +58,7 @@ da, y = torch.randn(M, H, device="cuda", dtype=bf), torch.randn(M, D, device="cu
 w = torch.rand(T, k, device="cuda")
 part = torch.empty(D // 128, M, device="cuda")
 print(f"{'kernel':12s} ablk warps ralign      ms     GB/s")
-for ablk, warps, aligned in [(32, 4, False), (32, 4, True), (32, 8, True), (128, 16, True)]:
+for ablk, warps, aligned in [(32, 4, True), (128, 4, True), (128, 8, True)]:
     K.ROW_WARPS[ablk] = warps
     tbl = DP.block_table(offs, M, ablk)
     o_d = DP._outputs(M, D, E, True, True, False, x)

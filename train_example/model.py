@@ -130,7 +130,7 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, precision: str, backend: str, wgrad: str = "mxfp8",
-                 weight_blocks: str = "1x32"):
+                 scale_blocks: str = "1x32"):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
@@ -139,7 +139,7 @@ class Block(nn.Module):
         self.moe = _moe_class()(
             cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, precision=precision,
             backend=backend, aux_loss_coef=cfg.aux_loss_coef, dtype=torch.float32,
-            **({"wgrad": wgrad, "weight_blocks": weight_blocks} if precision == "mxfp8" else {}),
+            **({"wgrad": wgrad, "scale_blocks": scale_blocks} if precision == "mxfp8" else {}),
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -163,14 +163,14 @@ class MoETransformer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, precision: str = "mxfp8", backend: str = "auto",
-                 wgrad: str = "mxfp8", weight_blocks: str = "1x32"):
+                 wgrad: str = "mxfp8", scale_blocks: str = "1x32"):
         super().__init__()
         if precision not in ("mxfp8", "bf16"):
             raise ValueError(f"precision must be 'mxfp8' or 'bf16', got {precision!r}")
         self.cfg = cfg
         self.precision = precision
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, precision, backend, wgrad, weight_blocks)
+        self.blocks = nn.ModuleList(Block(cfg, precision, backend, wgrad, scale_blocks)
                                     for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.dim // cfg.n_heads // 2 * 2, cfg.rope_theta)
@@ -213,5 +213,7 @@ class MoETransformer(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy in fp32 (nats)."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+    """Mean next-byte cross-entropy in fp32 (nats). As log-softmax + gather + mean rather than
+    ``F.cross_entropy``, whose CUDA NLL reduction has no deterministic version."""
+    logp = logits.float().view(-1, logits.shape[-1]).log_softmax(-1)
+    return -logp.gather(1, targets.reshape(-1, 1)).mean()

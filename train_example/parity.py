@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from moe_mxfp8.backend import BACKENDS
+from moe_mxfp8.reference import SCALE_BLOCKS
 
 from . import train as T
 
@@ -78,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonneg, default=0)
     p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default=None,
                    help="MXFP8 run's weight-gradient GEMMs (default mxfp8)")
-    p.add_argument("--weight-blocks", choices=("1x32", "32x32"), default=None,
-                   help="MXFP8 run's expert weight scale blocks (default 1x32)")
+    p.add_argument("--scale-blocks", "--weight-blocks", dest="scale_blocks",
+                   choices=SCALE_BLOCKS, default=None,
+                   help="MXFP8 run's scale blocks: 1x32 (default, exact MXFP8), 32x32 or 1x128 "
+                        "(--weight-blocks is its older name)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
     p.add_argument("--eval-every", type=pos, default=None)
@@ -88,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ema-beta", type=T.float_in(0.0, 1.0, lo_open=False), default=0.9)
     p.add_argument("--log-every", type=pos, default=20)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every run with PyTorch's deterministic algorithms (a BF16 repeat then "
+                        "measures 0 run-to-run spread where the GPU allows it)")
     p.add_argument("--bf16-repeat", type=nonneg, default=0,
                    help="train BF16 this many more times (same seed) to measure its run-to-run "
                         "noise; the verdict then allows that much difference")
@@ -293,11 +299,13 @@ def _main(argv: list[str]) -> int:
               "--log-every", str(args.log_every)]
     for opt, val in (("--steps", args.steps), ("--backend", args.backend),
                      ("--eval-every", args.eval_every), ("--wgrad", args.wgrad),
-                     ("--weight-blocks", args.weight_blocks)):
+                     ("--scale-blocks", args.scale_blocks)):
         if val is not None:
             common += [opt, str(val)]
     if args.quiet:
         common.append("--quiet")
+    if args.deterministic:
+        common.append("--deterministic")
     tc = T.train_config(T.build_parser().parse_args(common + ["--out", str(out)]))
 
     t0 = time.perf_counter()
@@ -321,7 +329,7 @@ def _main(argv: list[str]) -> int:
         "preset": args.preset, "steps": tc.steps, "warmup_steps": tc.warmup_steps,
         "seed": args.seed, "device": str(dev), "device_name": device_name,
         "backend": run_info["backend"], "wgrad": args.wgrad or "mxfp8",
-        "weight_blocks": args.weight_blocks or "1x32",
+        "scale_blocks": args.scale_blocks or "1x32",
         "parameters": run_info["parameters"],
         "active_parameters": run_info["active_parameters"],
         "final_train_loss": {p: logs[p][-1]["train_loss"] for p in PRECISIONS},

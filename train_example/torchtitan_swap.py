@@ -49,7 +49,7 @@ def swap_grouped_experts(model: nn.Module, **options) -> int:
     """Replace every torchtitan ``GroupedExperts`` in ``model`` in place; returns how many.
 
     ``options`` go to `MXFP8GroupedExperts` (``precision``, ``backend``, ``wgrad``,
-    ``weight_blocks``, ``aligned_groups``, ...).
+    ``scale_blocks``, ``aligned_groups``, ...).
     """
     targets = [
         (parent, name, child)

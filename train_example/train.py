@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from moe_mxfp8.backend import BACKENDS
+from moe_mxfp8.reference import SCALE_BLOCKS
 
 from . import data as D
 from .model import MoETransformer, lm_loss, model_config
@@ -180,8 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
     p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default="mxfp8",
                    help="expert weight-gradient GEMMs in MXFP8 (default) or BF16 (mxfp8 only)")
-    p.add_argument("--weight-blocks", choices=("1x32", "32x32"), default="1x32",
-                   help="expert weight scale blocks of the MXFP8 GEMMs (mxfp8 only)")
+    p.add_argument("--scale-blocks", "--weight-blocks", dest="scale_blocks",
+                   choices=SCALE_BLOCKS, default="1x32",
+                   help="scale blocks of the MXFP8 expert GEMMs (mxfp8 only): 1x32 (exact "
+                        "MXFP8), 32x32 (32x32 weight tiles) or 1x128 (the 1x128 recipe); "
+                        "--weight-blocks is its older name")
     p.add_argument("--batch-size", type=pos, default=None)
     p.add_argument("--seq-len", type=pos, default=None)
     p.add_argument("--lr", type=float_in(0.0), default=None)
@@ -194,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many steps (of --steps), as if interrupted; "
                         "the LR schedule still spans --steps")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--deterministic", action="store_true",
+                   help="PyTorch's deterministic algorithms (and cuBLAS's fixed workspace), so "
+                        "that a rerun with the same seed gives the same bits on the same GPU")
     return p
 
 
@@ -514,6 +521,15 @@ def evaluate(model, batches, device, autocast) -> float:
     return total / len(batches)
 
 
+def set_deterministic() -> None:
+    """Same seed, same GPU -> same bits: PyTorch's deterministic algorithms (e.g. flash
+    attention's backward without atomics) and a fixed cuBLAS workspace. MXFP8MoE's data path and
+    GEMMs are deterministic either way. ``warn_only``: an op without a deterministic version
+    warns (naming itself) instead of stopping the run."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
     """Train per the command line ``argv``; returns the log rows of this invocation's steps.
 
@@ -525,6 +541,8 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
     args = build_parser().parse_args(argv)
     tc = train_config(args)
     device = torch.device(args.device)
+    if args.deterministic:
+        set_deterministic()
     backend = args.backend or default_backend(device)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -532,7 +550,7 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
     mc = model_config(args.preset, max_seq_len=max(tc.seq_len,
                                                    model_config(args.preset).max_seq_len))
     settings = {"precision": args.precision, "preset": args.preset, "seed": args.seed,
-                "backend": backend, "wgrad": args.wgrad, "weight_blocks": args.weight_blocks,
+                "backend": backend, "wgrad": args.wgrad, "scale_blocks": args.scale_blocks,
                 "train": asdict(tc),
                 "model": mc.to_dict()}
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
@@ -545,7 +563,7 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
 
     torch.manual_seed(args.seed)  # same initial weights for both precisions
     model = MoETransformer(mc, precision=args.precision, backend=backend,
-                           wgrad=args.wgrad, weight_blocks=args.weight_blocks).to(device)
+                           wgrad=args.wgrad, scale_blocks=args.scale_blocks).to(device)
     total, active = model.num_parameters()
     log(f"model: preset {args.preset}, {total:,} parameters ({active:,} active per token), "
         f"{mc.n_layers} layers, dim {mc.dim}, {mc.num_experts} experts top-{mc.top_k}, "

@@ -62,13 +62,18 @@ def compile_config(kernel_cls, config, options: str | None = None, stream=None):
 def _max_active_clusters(index: int, cluster_size: int) -> int:
     """Clusters of ``cluster_size`` CTAs (one CTA per SM) the GPU runs at once: a persistent
     grid larger than that would leave whole clusters waiting for a second wave. The driver
-    query loads a probe kernel: once per device and cluster size, never per call."""
+    query loads a probe kernel (0.2 s of a new process's first step, docs/NOTES.md "What a
+    second process's first step is made of"): once per device and cluster size, never per call,
+    and not for single-CTA clusters, which are one per SM by construction."""
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    if cluster_size == 1:
+        return sms
     try:
         from cutlass.utils import HardwareInfo
 
         return HardwareInfo(index).get_max_active_clusters(cluster_size)
     except Exception:  # driver query unavailable: one cluster per cluster_size SMs
-        return torch.cuda.get_device_properties(index).multi_processor_count // cluster_size
+        return sms // cluster_size
 
 
 def _grid_clusters(kern, problem: P.GroupedProblem, max_clusters: int | None) -> int:
