@@ -21,12 +21,12 @@ block):
 
 One program owns an ABLK-row block x CB features (CB a multiple of ABLK), so it can write both
 quantized copies: rowwise (blocks of ABLK along the features) and columnwise (the block's rows of
-every feature, stored transposed). It walks the block in chunks of 32 rows (the tile the
-1x32 kernels measured fastest with, 4 warps): each chunk's values are computed once for the BF16
-and rowwise outputs and the running column maxima. With 32-row blocks the chunk is the block and
-its registers give the columnwise copy too (one read of the inputs); with 128-row blocks the
-columnwise copy needs the whole block's maxima first, so a second walk recomputes each chunk
-from its inputs (re-read from L2) and stores it, instead of holding 128 rows in registers.
+every feature, stored transposed). It computes the block RB rows at a time (`CHUNKED_ROWS`,
+`WHOLE_ROWS`): each chunk's values go out as the BF16 and rowwise copies and update the running
+column maxima. With one chunk (RB == ABLK) its registers give the columnwise copy too (one read
+of the inputs); with 32-row chunks of a 128-row block the columnwise copy needs the whole
+block's maxima first, so a second walk recomputes each chunk from its inputs (re-read from L2)
+and stores it, instead of holding 128 rows in registers.
 Every row of ``[0, M)`` belongs to exactly one block, so every data byte is written (pad rows as
 zeros); scale buffers start zeroed (the layout's padding bytes), their real bytes are written here.
 """
@@ -52,10 +52,14 @@ ACT_BLOCKS = (BLOCK_SIZE, BLOCK_128)  # activation block lengths (ABLK) the kern
 TBL_COLS = 6  # block-table columns (see the module doc)
 COL_TILE = 128  # features per program (a multiple of every ABLK)
 TOK_TILE = 16  # tokens per program in the per-token kernels
-CHUNK_ROWS = BLOCK  # rows a row-block program computes at a time (RB)
-# Warps per row-block program, whose chunks are 32 x 128: 4 (H100, dsv3 shape, 2026-11-23: 8
-# warps were 38-65% slower per kernel, docs/NOTES.md).
-ROW_WARPS = {BLOCK_SIZE: 4, BLOCK_128: 4}
+# Rows a row-block program computes at a time (RB) per activation block, and its warps
+# (H100, 2026-11-23, docs/NOTES.md "Data path in 32-row chunks"). 32-row blocks: the block, 4
+# warps (8 were 38-65% slower). 128-row blocks: the dispatch and the combine backward walk them
+# in 32-row chunks at 4 warps (1.2-1.3x faster alone than one 128-row tile at the dsv3 shape);
+# the SwiGLU kernels, whose second walk would re-read two or three inputs per element (1.25x
+# slower in the mixtral layer), keep one 128-row tile at 16 warps (8 spill in the backward).
+CHUNKED_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_SIZE, 4)}
+WHOLE_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 16)}
 # Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
 ROW_ALIGN = K_GROUP_ALIGN
@@ -529,13 +533,15 @@ def _grid_rows(tbl: torch.Tensor, feats: int) -> tuple[int, int]:
     return (tbl.shape[0], triton.cdiv(feats, COL_TILE))
 
 
-def _row_meta(ablk: int, aligned: bool) -> dict:
+def _row_meta(ablk: int, aligned: bool, rows: dict = CHUNKED_ROWS) -> dict:
     """Launch constants of the row-block kernels for activation blocks of ``ablk`` rows;
-    ``aligned``: every group starts on a multiple of `ROW_ALIGN` rows."""
+    ``aligned``: every group starts on a multiple of `ROW_ALIGN` rows; ``rows``: the kernel's
+    (chunk rows, warps) per block length (`CHUNKED_ROWS` or `WHOLE_ROWS`)."""
     if ablk not in ACT_BLOCKS:
         raise ValueError(f"activation block must be one of {ACT_BLOCKS}, got {ablk}")
-    return {"INTERP": INTERPRET, "RB": CHUNK_ROWS, "CB": COL_TILE, "ABLK": ablk,
-            "RALIGN": ROW_ALIGN if aligned else 1, "num_warps": ROW_WARPS[ablk]}
+    rb, warps = rows[ablk]
+    return {"INTERP": INTERPRET, "RB": rb, "CB": COL_TILE, "ABLK": ablk,
+            "RALIGN": ROW_ALIGN if aligned else 1, "num_warps": warps}
 
 
 def _quant_outs(outs: dict, like: torch.Tensor) -> tuple[list, dict]:
@@ -573,7 +579,7 @@ def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
         return
     ptrs, flags = _quant_outs(outs, h)
     _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m, (hh + 127) // 128 * 128,
-                                            **flags, **_row_meta(ablk, aligned))
+                                            **flags, **_row_meta(ablk, aligned, WHOLE_ROWS))
 
 
 def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
@@ -584,7 +590,7 @@ def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
     joint = hh % ablk != 0
     _swiglu_bwd_kernel[_grid_rows(tbl, 2 * hh if joint else hh)](
         da, h, src, tbl, *ptrs, hh, m, (2 * hh + 127) // 128 * 128, **flags, JOINT=joint,
-        **_row_meta(ablk, aligned))
+        **_row_meta(ablk, aligned, WHOLE_ROWS))
 
 
 def combine_fwd(y, rows, weights, out):

@@ -637,7 +637,8 @@ class DualQuantizer(TileQuantizer):
 
 class WeightQuantizer(TileQuantizer):
     """Expert weights ``(E, N, K)``: axis K = rows of ``(E*N, K)`` in groups of N; axis N =
-    columns, each expert's ``(K, N)`` contiguous; optional 32x32 / 128x128 scale tiles."""
+    columns, each expert's ``(K, N)`` contiguous; either or both from one read; optional
+    32x32 / 128x128 scale tiles."""
 
     def __init__(self, config: QuantConfig):
         assert config.grouping == "uniform"
@@ -788,6 +789,27 @@ def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
     """One read of ``x``: ((rowwise data, scales), (columnwise data, scales))."""
     row, col = _activation_quant("quantize_dual", x, rounding, offs, act_block, True, True, out)
     return row, col
+
+
+def quantize_weights_dual(w: torch.Tensor, *, rounding: str = "rceil", block_rows: int = 1,
+                          out: dict | None = None):
+    """Expert weights ``(E, N, K)``, one read -> ((e4m3 ``(E, N, K)``, packed scales) along K,
+    (e4m3 ``(E, K, N)``, packed scales) along N): `quantize_weights`' two axes at once."""
+    e, n, k = w.shape
+    qk = _buffer(out, "qk", (e, n, k), torch.float8_e4m3fn, w.device)
+    sk = _buffer(out, "sk", (e * F.expert_scale_stride(n, k // F.BLOCK_SIZE),), torch.uint8,
+                 w.device)
+    qn = _buffer(out, "qn", (e, k, n), torch.float8_e4m3fn, w.device)
+    sn = _buffer(out, "sn", (e * F.expert_scale_stride(k, n // F.BLOCK_SIZE),), torch.uint8,
+                 w.device)
+    config = QuantConfig(
+        dtype=DTYPE_NAMES[w.dtype], rounding=rounding, k=k, rows=True, cols=True,
+        grouping="uniform", group_rows=n, col_layout="experts", block_rows=block_rows,
+        col_aligned=n % VEC_BYTES == 0,
+    )
+    _launch("quantize_weights", config, w.view(e * n, k), qk, sk, qn, sn, None, None, e * n, e,
+            0, e * F.ceil_div(n, F.TILE_ROWS))
+    return (qk, sk), (qn, sn)
 
 
 def quantize_weights(w: torch.Tensor, *, axis: str = "K", rounding: str = "rceil",

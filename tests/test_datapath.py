@@ -372,21 +372,23 @@ def test_kernels_interpreter(gen, case):
 _PTR_TYPES = {"x_ptr": "*bf16", "h_ptr": "*bf16", "da_ptr": "*bf16", "dout_ptr": "*bf16",
               "y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32",
               "src_ptr": "*i32", "tbl_ptr": "*i32"}
-_ROW_KERNELS = [("_dispatch_kernel", {}), ("_swiglu_fwd_kernel", {}),
-                ("_swiglu_bwd_kernel", {"JOINT": False}), ("_swiglu_bwd_kernel", {"JOINT": True}),
-                ("_combine_bwd_kernel", {"DW": True})]
+# (kernel, extra constexprs, its launch's (chunk rows, warps) table)
+_ROW_KERNELS = [("_dispatch_kernel", {}, "CHUNKED_ROWS"), ("_swiglu_fwd_kernel", {}, "WHOLE_ROWS"),
+                ("_swiglu_bwd_kernel", {"JOINT": False}, "WHOLE_ROWS"),
+                ("_swiglu_bwd_kernel", {"JOINT": True}, "WHOLE_ROWS"),
+                ("_combine_bwd_kernel", {"DW": True}, "CHUNKED_ROWS")]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("ablk", [32, 128])
-@pytest.mark.parametrize("name,extra", _ROW_KERNELS,
+@pytest.mark.parametrize("name,extra,rows", _ROW_KERNELS,
                          ids=[n + "".join(f"-{k}{v}" for k, v in e.items())
-                              for n, e in _ROW_KERNELS])
-def test_row_kernels_compile_for_sm90(name, extra, ablk, tmp_path):
+                              for n, e, _ in _ROW_KERNELS])
+def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
     """Each row-block kernel compiles for sm_90 without a GPU (Triton's own ptxas), with the
-    launch constants the layer uses. The dispatch and SwiGLU forward keep everything in
-    registers in both block lengths: the 128-row blocks' second (columnwise) walk is a loop, not
-    an unrolled copy that holds the block (which spilled; docs/NOTES.md)."""
+    launch constants the layer uses. The dispatch keeps everything in registers in both block
+    lengths: the 128-row blocks' second (columnwise) walk over 32-row chunks is a loop, not an
+    unrolled copy that holds the block (which spilled; docs/NOTES.md)."""
     import inspect
 
     import triton
@@ -395,7 +397,8 @@ def test_row_kernels_compile_for_sm90(name, extra, ablk, tmp_path):
 
     K = _kernel_module()
     fn = getattr(K, name)
-    meta = {**K._row_meta(ablk, True), **extra, "QROW": True, "QCOL": True, "BF16": True}
+    meta = {**K._row_meta(ablk, True, getattr(K, rows)), **extra, "QROW": True, "QCOL": True,
+            "BF16": True}
     warps = meta.pop("num_warps")
     sig = {a: "constexpr" if a in meta else _PTR_TYPES.get(a, "*u8" if a.endswith("_ptr")
                                                            else "i32")
@@ -409,7 +412,7 @@ def test_row_kernels_compile_for_sm90(name, extra, ablk, tmp_path):
     assert ".target sm_90" in ptx
     # the columnwise copy's transposed rows go out as 16-byte stores (aligned groups)
     assert "st.global.v4.b32" in ptx
-    if name in ("_dispatch_kernel", "_swiglu_fwd_kernel"):
+    if name == "_dispatch_kernel" or (name == "_swiglu_fwd_kernel" and ablk == 32):
         from tests.kernels.test_grouped_gemm_sm100 import _nvdisasm
 
         exe = _nvdisasm()

@@ -57,24 +57,27 @@ h = torch.randn(M, 2 * H, device="cuda", dtype=bf) * 3
 da, y = torch.randn(M, H, device="cuda", dtype=bf), torch.randn(M, D, device="cuda", dtype=bf)
 w = torch.rand(T, k, device="cuda")
 part = torch.empty(D // 128, M, device="cuda")
-print(f"{'kernel':12s} ablk warps ralign      ms     GB/s")
-for ablk, warps, aligned in [(32, 4, True), (128, 4, True), (128, 8, True)]:
-    K.ROW_WARPS[ablk] = warps
+print(f"{'kernel':12s} ablk   rows warps      ms     GB/s")
+for ablk in (32, 128):
     tbl = DP.block_table(offs, M, ablk)
     o_d = DP._outputs(M, D, E, True, True, False, x)
     o_h = DP._outputs(M, H, E, True, True, False, x)
     o_2h = DP._outputs(M, 2 * H, E, True, True, False, x)
     cases = [
-        ("dispatch", lambda: K.dispatch(x, src, tbl, k, o_d, ablk, aligned), M * D * 4),
-        ("swiglu_fwd", lambda: K.swiglu_fwd(h, src, tbl, o_h, ablk, aligned), M * H * 6),
-        ("swiglu_bwd", lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, ablk, aligned), M * H * 10),
-        ("combine_bwd", lambda: K.combine_bwd(dout, y, w, src, tbl, k, o_d, part, ablk, aligned),
-         M * D * 6),
+        ("dispatch", K.CHUNKED_ROWS, lambda: K.dispatch(x, src, tbl, k, o_d, ablk, True),
+         M * D * 4),
+        ("swiglu_fwd", K.WHOLE_ROWS, lambda: K.swiglu_fwd(h, src, tbl, o_h, ablk, True),
+         M * H * 6),
+        ("swiglu_bwd", K.WHOLE_ROWS, lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, ablk, True),
+         M * H * 10),
+        ("combine_bwd", K.CHUNKED_ROWS,
+         lambda: K.combine_bwd(dout, y, w, src, tbl, k, o_d, part, ablk, True), M * D * 6),
     ]
-    for name, fn, nbytes in cases:
+    for name, rows, fn, nbytes in cases:
         ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-        print(f"{name:12s} {ablk:4d} {warps:5d} {16 if aligned else 1:6d} {ms:7.3f} "
-              f"{nbytes / ms / 1e6:8.0f}", flush=True)
+        rb, warps = rows[ablk]
+        print(f"{name:12s} {ablk:4d} {rb:6d} {warps:5d} {ms:7.3f} {nbytes / ms / 1e6:8.0f}",
+              flush=True)
 PYEOF
   echo "kernels rc=$? (${SECONDS}s)"
 fi

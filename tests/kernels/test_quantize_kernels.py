@@ -72,6 +72,11 @@ COMPILE_SCRIPT = textwrap.dedent(
         variants.append(("quantize_weights", C(  # 128x128 tiles along K, N = 100 (partial)
             dt, rnd, 96, True, False, grouping="uniform", group_rows=100, col_layout="experts",
             block_rows=128)))
+        if dt == "bfloat16":  # both axes from one read (the layer's weights, BF16)
+            for br in (1, 32, 128):
+                variants.append(("quantize_weights", C(
+                    dt, rnd, 2048, True, True, grouping="uniform", group_rows=1536,
+                    col_layout="experts", block_rows=br, col_aligned=True)))
         for op, cfg in variants:
             Q.compile_quantizer(op, cfg)
             n += 1
@@ -87,7 +92,7 @@ def test_compile_all_variants(arch):
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled 150" in res.stdout
+    assert "compiled 156" in res.stdout
 
 
 SASS_SCRIPT = textwrap.dedent(
@@ -431,6 +436,28 @@ def test_weights_bit_exact(dtype, rounding, e, n, k, axis, block_rows):
         got = MXFP8Tensor(q, s, "packed", None, "experts", block_rows)
         ref = R.quantize_weights_ref(w, axis, rounding, block_rows=block_rows)
         assert_bit_exact(got, ref, f"weights axis={axis} br={block_rows}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("e,n,k", [(1, 96, 64), (3, 160, 96), (8, 64, 32), (2, 256, 2080)])
+@pytest.mark.parametrize("block_rows", [1, 32, 128], ids=lambda b: f"br{b}")
+def test_weights_dual_bit_exact(e, n, k, block_rows):
+    """Both axes from one read: each output equal to its single-axis reference, every byte of
+    every (poisoned) output buffer written."""
+    Q = _kernels()
+    for dtype, kind in ((torch.bfloat16, "random"), (torch.bfloat16, "adversarial"),
+                        (torch.float32, "adversarial")):
+        w = make_input(e * n, k, dtype, kind, seed=e + n + k).view(e, n, k)
+        out = {"qk": _poisoned((e, n, k), torch.float8_e4m3fn, "cuda"),
+               "sk": _poisoned((e * L.expert_scale_stride(n, k // 32),), torch.uint8, "cuda"),
+               "qn": _poisoned((e, k, n), torch.float8_e4m3fn, "cuda"),
+               "sn": _poisoned((e * L.expert_scale_stride(k, n // 32),), torch.uint8, "cuda")}
+        (qk, sk), (qn, sn) = Q.quantize_weights_dual(w, block_rows=block_rows, out=out)
+        for axis, q, s in (("K", qk, sk), ("N", qn, sn)):
+            got = MXFP8Tensor(q, s, "packed", None, "experts", block_rows)
+            ref = R.quantize_weights_ref(w, axis, block_rows=block_rows)
+            assert_bit_exact(got, ref, f"dual {dtype} {kind} axis={axis} br={block_rows}")
 
 
 @pytest.mark.gpu
