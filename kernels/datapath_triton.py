@@ -133,15 +133,11 @@ def _packed_offset(r, c, nb):
 
 
 @triton.jit
-def _quant_rows(x, rows, rmask, prow, cols, cmask, blk, bmask, q_ptr, s_ptr, ld, nb,
-                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr):
-    """Rowwise MXFP8 of the fp32 tile ``x (RB, CB)``: blocks of ABLK along the features (the
-    tile starts on a block), each block's byte written for each of its 32-blocks.
-
-    ``cols``: output columns (CB,), ``blk``: their 32-block indices (CB // 32,) and ``bmask``
-    which of them hold real columns, ``prow``: packed scale row of each tile row, ``ld``:
-    output row stride, ``nb``: 32-blocks per output row.
-    """
+def _row_blocks(x, INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                ABLK: tl.constexpr):
+    """Rowwise MXFP8 of the fp32 tile ``x (RB, CB)`` in blocks of ABLK along the features (the
+    tile starts on a block): E4M3 bytes ``(RB, CB)`` and the scale byte of each 32-block
+    ``(RB, CB // 32)`` (an ABLK-block's byte repeated over its 32-blocks)."""
     x3 = tl.reshape(x, (RB, CB // ABLK, ABLK))
     bits = x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     byte, inv = _scale_from_amax(tl.max(bits, axis=2))
@@ -150,6 +146,20 @@ def _quant_rows(x, rows, rmask, prow, cols, cmask, blk, bmask, q_ptr, s_ptr, ld,
     if ABLK != QBLK:  # one byte per 32-block: repeat each ABLK-block's byte
         byte = tl.reshape(tl.broadcast_to(byte[:, :, None], (RB, CB // ABLK, ABLK // QBLK)),
                           (RB, CB // QBLK))
+    return q, byte
+
+
+@triton.jit
+def _quant_rows(x, rows, rmask, prow, cols, cmask, blk, bmask, q_ptr, s_ptr, ld, nb,
+                INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr):
+    """Rowwise MXFP8 of the fp32 tile ``x (RB, CB)`` (`_row_blocks`) stored: the bytes at
+    ``q[rows, cols]``, each 32-block's scale byte in the packed layout.
+
+    ``cols``: output columns (CB,), ``blk``: their 32-block indices (CB // 32,) and ``bmask``
+    which of them hold real columns, ``prow``: packed scale row of each tile row, ``ld``:
+    output row stride, ``nb``: 32-blocks per output row.
+    """
+    q, byte = _row_blocks(x, INTERP, RB, CB, ABLK)
     rows64 = rows.to(tl.int64)
     tl.store(q_ptr + rows64[:, None] * ld + cols[None, :], q,
              mask=rmask[:, None] & cmask[None, :])
@@ -242,6 +252,35 @@ def _write_rows(v, rows, rmask, prow0, cols, cmask, off, n, ld, qr_ptr, sr_ptr, 
 
 
 @triton.jit
+def _walk_block(VALUES: tl.constexpr, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
+                out_ptr, F, M, TOPK, RP, QROW: tl.constexpr, QCOL: tl.constexpr,
+                BF16: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                ABLK: tl.constexpr, RALIGN: tl.constexpr):
+    """A row-block program whose output tile is ``VALUES(in_ptr, src_ptr, rows, rmask, cols,
+    cmask, F, TOPK, INTERP)`` (F features wide): the chunk walk of the module doc -- BF16 and
+    rowwise copies per chunk, then the columnwise copy from the block's column maxima."""
+    rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, RALIGN)
+    cols, cmask = _cols(F, CB)
+    camax = tl.zeros((CB,), dtype=tl.int32)
+    v = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
+    for c in range(ABLK // RB):
+        rows, rmask = _chunk(rs, re, c, RB)
+        v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
+        _write_rows(v, rows, rmask, prow0, cols, cmask, 0, F, F, qr_ptr, sr_ptr, out_ptr, QROW,
+                    BF16, INTERP, RB, CB, ABLK)
+        if QCOL:
+            camax = tl.maximum(camax, _col_amax(v))
+    if QCOL:
+        byte, inv = _scale_from_amax(camax)
+        for c in range(ABLK // RB):
+            rows, rmask = _chunk(rs, re, c, RB)
+            if ABLK != RB:  # recompute (inputs from L2) rather than hold the whole block
+                v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
+            _store_cols(v, inv, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
+        _store_col_scales(byte, cols, cmask, sc_ptr, tiles * RP * 4, lblk, nblk, re - rs, ABLK)
+
+
+@triton.jit
 def _token_tile(T, D, TB: tl.constexpr, CB: tl.constexpr):
     """The per-token kernels' tile: TB tokens (``t``, ``tmask``) x CB features (``cols``) and
     its (TB, CB) mask."""
@@ -257,7 +296,7 @@ def _token_tile(T, D, TB: tl.constexpr, CB: tl.constexpr):
 
 
 @triton.jit
-def _dispatch_rows(x_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK):
+def _dispatch_rows(x_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK, INTERP: tl.constexpr):
     """fp32 ``x[token of the row's pair]`` of a chunk's rows (zero on pad rows)."""
     src, valid = _pairs(src_ptr, rows, rmask)
     tok = tl.where(valid, src // TOPK, 0).to(tl.int64)
@@ -271,25 +310,8 @@ def _dispatch_kernel(x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, ou
                      QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                      INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
                      ABLK: tl.constexpr, RALIGN: tl.constexpr):
-    rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, RALIGN)
-    cols, cmask = _cols(D, CB)
-    camax = tl.zeros((CB,), dtype=tl.int32)
-    x = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
-    for c in range(ABLK // RB):
-        rows, rmask = _chunk(rs, re, c, RB)
-        x = _dispatch_rows(x_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK)
-        _write_rows(x, rows, rmask, prow0, cols, cmask, 0, D, D, qr_ptr, sr_ptr, out_ptr, QROW,
-                    BF16, INTERP, RB, CB, ABLK)
-        if QCOL:
-            camax = tl.maximum(camax, _col_amax(x))
-    if QCOL:
-        byte, inv = _scale_from_amax(camax)
-        for c in range(ABLK // RB):
-            rows, rmask = _chunk(rs, re, c, RB)
-            if ABLK != RB:  # read again (L2) rather than hold the whole block in registers
-                x = _dispatch_rows(x_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK)
-            _store_cols(x, inv, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
-        _store_col_scales(byte, cols, cmask, sc_ptr, tiles * RP * 4, lblk, nblk, re - rs, ABLK)
+    _walk_block(_dispatch_rows, x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
+                D, M, TOPK, RP, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN)
 
 
 @triton.jit
@@ -331,9 +353,9 @@ def _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_rows(h_ptr, src_ptr, rows, rmask, cols, cmask, H, INTERP: tl.constexpr):
+def _swiglu_rows(h_ptr, src_ptr, rows, rmask, cols, cmask, H, TOPK, INTERP: tl.constexpr):
     """A chunk's fp32 ``a``: PyTorch's BF16 `F.silu(gate) * up` (silu in fp32 rounded to BF16,
-    the product rounded to BF16); zero on pad rows."""
+    the product rounded to BF16); zero on pad rows. (``TOPK``: unused, `_walk_block`'s.)"""
     _, ok = _pairs(src_ptr, rows, rmask)
     _, g, u, s = _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP)
     return _rbf(s * u, INTERP)
@@ -345,25 +367,8 @@ def _swiglu_fwd_kernel(h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, 
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                        INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
                        ABLK: tl.constexpr, RALIGN: tl.constexpr):
-    rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, RALIGN)
-    cols, cmask = _cols(H, CB)
-    camax = tl.zeros((CB,), dtype=tl.int32)
-    a = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
-    for c in range(ABLK // RB):
-        rows, rmask = _chunk(rs, re, c, RB)
-        a = _swiglu_rows(h_ptr, src_ptr, rows, rmask, cols, cmask, H, INTERP)
-        _write_rows(a, rows, rmask, prow0, cols, cmask, 0, H, H, qr_ptr, sr_ptr, out_ptr, QROW,
-                    BF16, INTERP, RB, CB, ABLK)
-        if QCOL:
-            camax = tl.maximum(camax, _col_amax(a))
-    if QCOL:
-        byte, inv = _scale_from_amax(camax)
-        for c in range(ABLK // RB):
-            rows, rmask = _chunk(rs, re, c, RB)
-            if ABLK != RB:  # recompute (inputs from L2) rather than hold the whole block
-                a = _swiglu_rows(h_ptr, src_ptr, rows, rmask, cols, cmask, H, INTERP)
-            _store_cols(a, inv, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
-        _store_col_scales(byte, cols, cmask, sc_ptr, tiles * RP * 4, lblk, nblk, re - rs, ABLK)
+    _walk_block(_swiglu_rows, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
+                H, M, 1, RP, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN)
 
 
 @triton.jit

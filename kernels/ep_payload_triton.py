@@ -2,8 +2,8 @@
 unpack the uint8 rows ``[D E4M3 bytes | D/32 E8M0 scale bytes]`` that travel in the all-to-all.
 
 * `pack_rows`: ``out[r] = payload(x[index[r]])``: the rowwise MXFP8 quantization of the gathered
-  BF16 row (docs/numerics.md: RCEIL, one scale per 32 elements), written straight into the
-  payload row -- one read of each gathered row, one write, no intermediate.
+  BF16 row (docs/numerics.md: RCEIL, one scale per 32 elements; the data path's `_row_blocks`),
+  written straight into the payload row -- one read of each gathered row, one write.
 * `unpack_rows`: ``out[r] = bf16(E4M3 * 2^(s - 127))`` (0xFF scale bytes give NaN).
 
 Their references are `moe_mxfp8.expert_parallel.pack_mxfp8_rows_ref` / `unpack_mxfp8_rows_ref`,
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .datapath_triton import INTERPRET, QBLK, _e4m3_byte, _scale_from_amax
+from .datapath_triton import INTERPRET, QBLK, _row_blocks
 from .mx_format import BLOCK_SIZE
 
 ROWS = 16  # payload rows per program
@@ -45,10 +45,7 @@ def _pack_kernel(x_ptr, idx_ptr, out_ptr, R, D, INTERP: tl.constexpr, RB: tl.con
     src = tl.load(idx_ptr + r, mask=rmask, other=0).to(tl.int64)
     m2 = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + src[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    x3 = tl.reshape(x, (RB, CB // QBLK, QBLK))
-    byte, inv = _scale_from_amax(tl.max(x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2))
-    v = tl.minimum(tl.maximum(x3 * inv[:, :, None], -448.0), 448.0)
-    q = tl.reshape(_e4m3_byte(v, INTERP), (RB, CB))
+    q, byte = _row_blocks(x, INTERP, RB, CB, QBLK)
     width = D + D // QBLK  # payload row length in bytes
     row = out_ptr + r.to(tl.int64)[:, None] * width
     tl.store(row + cols[None, :], q, mask=m2)

@@ -791,25 +791,38 @@ def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
     return row, col
 
 
+def _weight_operand(out: dict | None, names: tuple[str, str], w: torch.Tensor, axis: str):
+    """One GEMM operand of expert weights ``w (E, N, K)``: e4m3 ``(E, N, K)`` (axis K) or
+    ``(E, K, N)`` (axis N) and its packed scales, from ``out[names]`` or fresh."""
+    e, n, k = w.shape
+    rows, last = (n, k) if axis == "K" else (k, n)
+    q = _buffer(out, names[0], (e, rows, last), torch.float8_e4m3fn, w.device)
+    s = _buffer(out, names[1], (e * F.expert_scale_stride(rows, last // F.BLOCK_SIZE),),
+                torch.uint8, w.device)
+    return q, s
+
+
+def _launch_weights(w: torch.Tensor, rounding: str, block_rows: int, along_k, along_n) -> None:
+    """The weight quantizer over ``w (E, N, K)`` viewed as ``(E*N, K)`` in groups of N: writes
+    ``along_k`` and/or ``along_n`` (each a `_weight_operand` pair, or None) from one read."""
+    e, n, k = w.shape
+    config = QuantConfig(
+        dtype=DTYPE_NAMES[w.dtype], rounding=rounding, k=k, rows=along_k is not None,
+        cols=along_n is not None, grouping="uniform", group_rows=n, col_layout="experts",
+        block_rows=block_rows, col_aligned=n % VEC_BYTES == 0,
+    )
+    _launch("quantize_weights", config, w.view(e * n, k), *(along_k or (None, None)),
+            *(along_n or (None, None)), None, None, e * n, e, 0, e * F.ceil_div(n, F.TILE_ROWS))
+
+
 def quantize_weights_dual(w: torch.Tensor, *, rounding: str = "rceil", block_rows: int = 1,
                           out: dict | None = None):
     """Expert weights ``(E, N, K)``, one read -> ((e4m3 ``(E, N, K)``, packed scales) along K,
     (e4m3 ``(E, K, N)``, packed scales) along N): `quantize_weights`' two axes at once."""
-    e, n, k = w.shape
-    qk = _buffer(out, "qk", (e, n, k), torch.float8_e4m3fn, w.device)
-    sk = _buffer(out, "sk", (e * F.expert_scale_stride(n, k // F.BLOCK_SIZE),), torch.uint8,
-                 w.device)
-    qn = _buffer(out, "qn", (e, k, n), torch.float8_e4m3fn, w.device)
-    sn = _buffer(out, "sn", (e * F.expert_scale_stride(k, n // F.BLOCK_SIZE),), torch.uint8,
-                 w.device)
-    config = QuantConfig(
-        dtype=DTYPE_NAMES[w.dtype], rounding=rounding, k=k, rows=True, cols=True,
-        grouping="uniform", group_rows=n, col_layout="experts", block_rows=block_rows,
-        col_aligned=n % VEC_BYTES == 0,
-    )
-    _launch("quantize_weights", config, w.view(e * n, k), qk, sk, qn, sn, None, None, e * n, e,
-            0, e * F.ceil_div(n, F.TILE_ROWS))
-    return (qk, sk), (qn, sn)
+    along_k = _weight_operand(out, ("qk", "sk"), w, "K")
+    along_n = _weight_operand(out, ("qn", "sn"), w, "N")
+    _launch_weights(w, rounding, block_rows, along_k, along_n)
+    return along_k, along_n
 
 
 def quantize_weights(w: torch.Tensor, *, axis: str = "K", rounding: str = "rceil",
@@ -817,22 +830,7 @@ def quantize_weights(w: torch.Tensor, *, axis: str = "K", rounding: str = "rceil
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert weights ``(E, N, K)`` -> (e4m3 ``(E, N, K)`` (axis K) or ``(E, K, N)`` (axis N),
     packed scales, one matrix per expert); ``block_rows`` 1, 32 or 128 (scale tiles)."""
-    e, n, k = w.shape
-    rows = axis == "K"
-    tiles_per_expert = F.ceil_div(n, F.TILE_ROWS)
-    if rows:
-        shape, nbytes = (e, n, k), e * F.expert_scale_stride(n, k // F.BLOCK_SIZE)
-    else:
-        shape, nbytes = (e, k, n), e * F.expert_scale_stride(k, n // F.BLOCK_SIZE)
-    q = _buffer(out, "q", shape, torch.float8_e4m3fn, w.device)
-    s = _buffer(out, "s", (nbytes,), torch.uint8, w.device)
-    config = QuantConfig(
-        dtype=DTYPE_NAMES[w.dtype], rounding=rounding, k=k, rows=rows, cols=not rows,
-        grouping="uniform", group_rows=n, col_layout="experts", block_rows=block_rows,
-        col_aligned=n % VEC_BYTES == 0,
-    )
-    x2 = w.view(e * n, k)
-    _launch("quantize_weights", config, x2, q if rows else None, s if rows else None,
-            None if rows else q, None if rows else s, None, None, e * n, e, 0,
-            e * tiles_per_expert)
-    return q, s
+    operand = _weight_operand(out, ("q", "s"), w, axis)
+    _launch_weights(w, rounding, block_rows, operand if axis == "K" else None,
+                    operand if axis == "N" else None)
+    return operand

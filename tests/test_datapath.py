@@ -389,25 +389,14 @@ def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
     launch constants the layer uses. The dispatch keeps everything in registers in both block
     lengths: the 128-row blocks' second (columnwise) walk over 32-row chunks is a loop, not an
     unrolled copy that holds the block (which spilled; docs/NOTES.md)."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from tests.triton_sm90 import compile_for_sm90
 
     K = _kernel_module()
-    fn = getattr(K, name)
     meta = {**K._row_meta(ablk, True, getattr(K, rows)), **extra, "QROW": True, "QCOL": True,
             "BF16": True}
     warps = meta.pop("num_warps")
-    sig = {a: "constexpr" if a in meta else _PTR_TYPES.get(a, "*u8" if a.endswith("_ptr")
-                                                           else "i32")
-           for a in inspect.signature(fn.fn).parameters}
     # as launched: 16-byte aligned buffers and sizes (Triton's specialization of such args)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (a, t) in enumerate(sig.items())
-             if t != "constexpr" and a != "TOPK"}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=meta, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    k = compile_for_sm90(getattr(K, name), meta, _PTR_TYPES, warps, aligned_except=("TOPK",))
     ptx = k.asm["ptx"]
     assert ".target sm_90" in ptx
     # the columnwise copy's transposed rows go out as 16-byte stores (aligned groups)

@@ -271,6 +271,17 @@ class _TitanMoE(torch.nn.Module):
         self.experts = _TitanGroupedExperts(dim, hidden_dim, num_experts)
 
 
+def _every_code_at_every_scale():
+    """Payload rows (D = 448: 14 blocks) holding every E4M3 code but NaN, row s at scale byte s
+    for s in 0..254: (data (255, 448) uint8, scale (255, 14) uint8, rows (255, 462) uint8)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]  # 254 codes
+    every = codes.repeat(255).view(255, -1)
+    data = torch.cat([every[:, :224], every[:, 30:254]], 1)  # 448 columns, every code
+    scale = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].expand(-1, 14)
+    return data, scale, torch.cat([data, scale], 1)
+
+
 def test_payload_unpack_in_bf16_equals_fp32_dequantization():
     """Every E4M3 code (NaN excluded) at every finite scale byte: the payload's BF16 unpack
     equals the FP32 dequantization rounded to BF16 bit for bit (subnormal and overflowing
@@ -279,12 +290,7 @@ def test_payload_unpack_in_bf16_equals_fp32_dequantization():
     from moe_mxfp8 import reference as R
     from moe_mxfp8.mx_tensor import e8m0_to_float32
 
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]  # 254 codes
-    data = codes.repeat(255).view(255, -1)[:, :224]  # 255 rows (scale bytes) x 7 blocks
-    data = torch.cat([data, codes.repeat(255).view(255, -1)[:, 30:254]], 1)  # every code
-    scale = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].expand(-1, 14)
-    rows = torch.cat([data, scale], 1)
+    data, scale, rows = _every_code_at_every_scale()
     got = EP.unpack_mxfp8_rows_ref(rows, 448)
     f = data.view(torch.float8_e4m3fn).float().view(255, 14, 32)
     want = (f * e8m0_to_float32(scale)[..., None]).view(255, 448).to(torch.bfloat16)
@@ -315,12 +321,7 @@ def check_payload_kernels(gen, device):
         back = K.unpack_rows(got, d)
         assert torch.equal(back.cpu().view(torch.int16),
                            EP.unpack_mxfp8_rows_ref(want, d).view(torch.int16)), (t, d, r)
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]
-    data = torch.cat([codes.repeat(255).view(255, -1)[:, :224],
-                      codes.repeat(255).view(255, -1)[:, 30:254]], 1)
-    scale = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].expand(-1, 14)
-    rows = torch.cat([data, scale], 1)
+    _, _, rows = _every_code_at_every_scale()
     got = K.unpack_rows(rows.to(device), 448).cpu()
     assert torch.equal(got.view(torch.int16), EP.unpack_mxfp8_rows_ref(rows, 448).view(torch.int16))
 
@@ -345,21 +346,14 @@ def test_payload_kernels_compile_for_sm90(name):
     """Both payload kernels compile for sm_90 without a GPU (Triton's own ptxas), and the
     unpack keeps FP32 subnormals (no flush-to-zero multiply: tiny scales must dequantize as the
     reference does)."""
-    import inspect
-
-    import triton
     from moe_mxfp8.kernels import ep_payload_triton as K
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    fn = getattr(K, name)
-    consts = {"INTERP": False, "RB": K.ROWS, "CB": K.COLS}
+    from tests.triton_sm90 import compile_for_sm90
+
     types = {"x_ptr": "*bf16", "out_ptr": "*u8" if name == "_pack_kernel" else "*bf16",
-             "idx_ptr": "*i64", "rows_ptr": "*u8"}
-    sig = {a: "constexpr" if a in consts else types.get(a, "i32")
-           for a in inspect.signature(fn.fn).parameters}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+             "idx_ptr": "*i64"}
+    k = compile_for_sm90(getattr(K, name), {"INTERP": False, "RB": K.ROWS, "CB": K.COLS},
+                         types, 4)
     assert ".target sm_90" in k.asm["ptx"] and ".ftz" not in k.asm["ptx"]
 
 
