@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+from pathlib import Path
 
 import torch
 
@@ -94,14 +95,22 @@ def _fp8_rowwise_grouped(x: torch.Tensor, sizes: list[int]):
 
 
 # MXFP8 kernel modes timed per GEMM: name -> (scale_blocks recipe, tuning overrides).
-# "1x128o"/"1x128seq": the promotion of k-tile 2p under the wgmmas of 2p+1, or not;
+# "1x128r"/"1x128b16"/"1x128n": raster bands and tile widths (below); "1x128o"/"1x128seq":
+# (128-column tiles) the promotion of k-tile 2p under the wgmmas of 2p+1, or not;
 # "1x128c2"/"1x128c1": 2-CTA clusters with TMA multicast of A, or not.
 MODES = {
     "1x32": ("1x32", None),
     "32x32": ("32x32", None),
-    "1x128": ("1x128", None),  # the defaults (M-grouped: overlapped promotion; K: 2-CTA clusters)
-    "1x128seq": ("1x128", {"overlap_promotion": False}),
-    "1x128o": ("1x128", {"overlap_promotion": True}),
+    # the defaults (256-column tiles when the output has more than 128 columns; M-grouped in
+    # raster bands of 16 m-tiles; K-grouped in 2-CTA clusters)
+    "1x128": ("1x128", None),
+    "1x128r": ("1x128", {"band_m": 1}),  # M-grouped: row-by-row raster
+    "1x128b8": ("1x128", {"band_m": 8}),  # M-grouped: bands of 8 m-tiles
+    # 128-column tiles, row-by-row raster (M-grouped: overlapped promotion by default, or not /
+    # forced on): the kernels before wide tiles and bands
+    "1x128n": ("1x128", {"tile_n": 128, "band_m": 1}),
+    "1x128seq": ("1x128", {"overlap_promotion": False, "tile_n": 128, "band_m": 1}),
+    "1x128o": ("1x128", {"overlap_promotion": True, "tile_n": 128, "band_m": 1}),
     "1x128c1": ("1x128", {"cluster_n": 1}),
     "1x128c2": ("1x128", {"cluster_n": 2}),
     "1x128oc2": ("1x128", {"overlap_promotion": True, "cluster_n": 2}),
@@ -402,6 +411,35 @@ def profile(op: str, shape: str, block_rows: int, rows: int):
     torch.cuda.cudart().cudaProfilerStop()
 
 
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """Speed-up over bf16 ``torch._grouped_mm`` per (shape, op): fp8 rowwise and every MXFP8
+    mode timed in ``rows`` (one bar each), the 1.0 line = bf16."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({k for r in rows for k in r if k.startswith("mx_") and k.endswith("_us")})
+    names = {"1x32": "1x32 (exact MXFP8)", "1x128": "1x128 (defaults)",
+             "1x128n": "1x128, 128x128 tiles", "1x128r": "1x128, row-by-row raster",
+             "1x128c1": "1x128, no clusters"}
+    series = [("fp8_rowwise_us", "fp8 rowwise (cuBLAS)")] + [
+        (k, names.get(k[3:-3], k[3:-3])) for k in keys]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6.0, len(rows) * 1.1), 4))
+    for j, (key, label) in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(rows))]
+        ys = [r["bf16_us"] / r[key] if r.get(key) else 0.0 for r in rows]
+        ax.bar(xs, ys, width, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), [f"{r['shape']}\n{r['op']}" for r in rows], fontsize=8)
+    ax.set_ylabel("speed-up over bf16 torch._grouped_mm")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--synthetic-k", action="store_true",
@@ -416,7 +454,15 @@ def main():
     ap.add_argument("--modes", default=DEFAULT_MODES, help=f"of {','.join(MODES)}")
     ap.add_argument("--reps", type=int, default=30, help="calls per timed CUDA-graph replay")
     ap.add_argument("--rounds", type=int, default=5, help="timed replays (median)")
+    ap.add_argument("--png", default=None, help="bar chart of the speed-ups")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="draw --png from a --json file written earlier (no GPU), then exit")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        dev = saved.get("device", {})
+        plot(saved["rows"], args.png or "gemm.png", f"{dev.get('gpu', '')} {dev.get('date', '')}")
+        return
     global SYNTHETIC_K
     SYNTHETIC_K = args.synthetic_k
     if args.check_baselines:
@@ -464,6 +510,8 @@ def main():
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": info, "rows": rows}, fh, indent=1)
+    if args.png and rows:
+        plot(rows, args.png, f"{info['gpu']} {info['date']}")
 
 
 if __name__ == "__main__":

@@ -57,9 +57,11 @@ TOK_TILE = 16  # tokens per program in the per-token kernels
 # warps (8 were 38-65% slower). 128-row blocks: the dispatch and the combine backward walk them
 # in 32-row chunks at 4 warps (1.2-1.3x faster alone than one 128-row tile at the dsv3 shape);
 # the SwiGLU kernels, whose second walk would re-read two or three inputs per element (1.25x
-# slower in the mixtral layer), keep one 128-row tile at 16 warps (8 spill in the backward).
+# slower in the mixtral layer), keep one 128-row tile, at 8 warps (2026-11-24: 7-11% faster
+# than 16 at mixtral, 4-7% at dsv3, although the backward spills 24 instructions there against
+# 41 at 16 warps; 32 warps and 64-row halves were slower: tools/swiglu_sweep.py).
 CHUNKED_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_SIZE, 4)}
-WHOLE_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 16)}
+WHOLE_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 8)}
 # Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
 ROW_ALIGN = K_GROUP_ALIGN

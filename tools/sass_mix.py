@@ -13,7 +13,9 @@ nvidia-cutlass-dsl and ``nvdisasm``: ``pip install nvidia-cuda-nvdisasm``). Meth
    mbarrier try-wait spin counts one pass (data ready). A region skipped by a forward
    conditional branch and holding a nested loop (K-grouped last-k-tile `zero_tail`) runs
    once per tile, not per k-tile, and is left out.
-3. k-tiles per iteration = QGMMAs (else DEPBARs) / `BLOCKS_PER_KTILE` (1 here: not unrolled).
+3. k-tiles per iteration = QGMMAs (else DEPBARs) / `BLOCKS_PER_KTILE` (1 here: not unrolled;
+   a 256-column tile's k-tile counts as 2, one per 128-column half, so every row compares
+   the same 128x128x128 unit of work).
    Counts are per warp (each warp of a warpgroup issues every instruction, QGMMA included).
 4. issue cycles per SMSP per k-tile = instrs x consumer warps per SMSP (2 warpgroups = 8 warps
    on 4 SMSPs = 2) at 1 instr/cycle (producer and scale warps left out). Tensor-core time of a
@@ -57,6 +59,8 @@ CONFIGS = {
     "k 1x128": dict(mode="k", scale_blocks="1x128", cluster_n=2),
     "m 1x128 overlap": dict(mode="m", scale_blocks="1x128", overlap_promotion=True),
     "k 1x128 overlap": dict(mode="k", scale_blocks="1x128", overlap_promotion=True, cluster_n=2),
+    "m 1x128 wide": dict(mode="m", scale_blocks="1x128", tile_n=256),
+    "k 1x128 wide": dict(mode="k", scale_blocks="1x128", tile_n=256, cluster_n=2),
 }
 FP8_DENSE_FLOPS, CLOCK_HZ, NUM_SMS = 1979e12, 1.83e9, 132  # H100 SXM spec (boost clock)
 SMSPS = 4

@@ -31,13 +31,14 @@ class GroupedGemmBase:
     check_on_first_use = False
     tile_m = 128  # output tile rows (the schedule's unit)
     tile_n = 128
+    band_m = 1  # raster band (`schedule.GroupedTileSchedule.tile_coords`)
 
     def __init__(self, config):
         self.cfg = config
         self.mode = config.mode
         self.is_m = config.mode == MODE_M
         self.sched = GroupedTileSchedule(config.mode, config.n, config.k, self.tile_m,
-                                         self.tile_n)
+                                         self.tile_n, self.band_m, self.units_per_cluster())
 
     # ------------------------------------------------------------------ host-side decisions
     @classmethod

@@ -1,9 +1,11 @@
 """The device tile schedule of the grouped GEMMs: one walk over ``offs`` for every arch.
 
 Work units are output tiles numbered group by group: M-grouped, group g owns
-``ceil(m_g / tile_m) * ceil(n / tile_n)`` units (its m-tiles, the n-tile fastest); K-grouped,
-every group owns ``ceil(n / tile_m) * ceil(k / tile_n)`` units of its ``(n, k)`` output, an
-empty group included (its units store zeros). A persistent CTA (or cluster) visits units
+``ceil(m_g / tile_m) * ceil(n / tile_n)`` units (its m-tiles); K-grouped, every group owns
+``ceil(n / tile_m) * ceil(k / tile_n)`` units of its ``(n, k)`` output, an empty group
+included (its units store zeros). Inside a group the x tile (n-tile M-grouped, k-tile
+K-grouped) is fastest, or the walk goes in bands of ``band_m`` rows of tiles, the rows
+fastest inside a band (`tile_coords`). A persistent CTA (or cluster) visits units
 ``u, u + stride, ...`` in increasing order, so each role keeps a **cursor** over the groups that
 only moves forward: ``cur = (g, unit_base, tok_start, tok_end, tiles128_before)`` -- group g,
 its first unit, its token range and ``sum_{h<g} ceil(m_h/128)`` (the packed-scale base of the
@@ -31,15 +33,21 @@ TILE_K = 128  # reduced elements per k-tile: 4 scale blocks = one packed 512-byt
 class GroupedTileSchedule:
     """The walk for one compiled kernel: ``mode``, static ``n``/``k`` and the output tile
     ``tile_m x tile_n`` (M-grouped: rows of ``a`` x columns; K-grouped: rows of ``a`` x rows of
-    ``b``). Bind the runtime token count with `bind` inside the kernel before walking."""
+    ``b``), the raster band ``band_m`` (rows of tiles per band; 1: row by row) and
+    ``x_granule``: tiles along x that stay adjacent in the walk (a cluster's CTAs, which share
+    the A rows). Bind the runtime token count with `bind` inside the kernel before walking."""
 
-    def __init__(self, mode: str, n: int, k: int, tile_m: int, tile_n: int):
+    def __init__(self, mode: str, n: int, k: int, tile_m: int, tile_n: int, band_m: int = 1,
+                 x_granule: int = 1):
         self.mode = mode
         self.n, self.k = n, k
         self.tile_m, self.tile_n = tile_m, tile_n
         self.is_m = mode == MODE_M
+        self.band_m, self.x_granule = band_m, x_granule
         # units along the fast axis of a group's tile grid (static)
         self.tiles_x = -(-(n if self.is_m else k) // tile_n)
+        if band_m < 1 or x_granule < 1 or self.tiles_x % x_granule:
+            raise ValueError("band_m >= 1, and x_granule must divide the tiles along x")
         self.num_tokens = None
 
     def units_bound(self, m: int, num_groups: int) -> int:
@@ -91,10 +99,27 @@ class GroupedTileSchedule:
 
     @cute.jit
     def tile_coords(self, unit: Int32, cur):
-        """(mt, nt): the unit's tile coordinates inside its group (nt fastest)."""
-        _, base, _, _, _ = cur
+        """(mt, nt): the unit's tile coordinates inside its group. ``band_m == 1``: nt fastest.
+        Otherwise the group's rows of tiles form bands of ``band_m`` (the last one shorter)
+        walked one after the other, each x-granule by x-granule (``x_granule`` adjacent nt)
+        with the band's rows fastest: the CTAs running at once then share a few B tiles
+        instead of streaming all of B once per row of tiles, which at large sizes does not
+        fit in L2 (docs/NOTES.md, "Wide tiles and banded raster")."""
+        _, base, t0, t1, _ = cur
         local = unit - base
-        return local // self.tiles_x, local % self.tiles_x
+        mt = local // self.tiles_x
+        nt = local % self.tiles_x
+        if cutlass.const_expr(self.band_m > 1):
+            m_tiles = self.units_of_group(t1 - t0) // self.tiles_x
+            gran = self.x_granule
+            per_band = self.band_m * (self.tiles_x // gran)
+            gl = local // gran  # granule index; local % gran: the CTA's rank in it
+            band = gl // per_band
+            rows = cutlass.min(m_tiles - band * self.band_m, self.band_m)
+            idx = gl - band * per_band
+            mt = band * self.band_m + idx % rows
+            nt = (idx // rows) * gran + local % gran
+        return mt, nt
 
     @cute.jit
     def k_tiles(self, cur) -> Int32:

@@ -1,16 +1,19 @@
 """Hopper (sm_90a) grouped MXFP8 GEMM: FP8 e4m3 ``wgmma`` with CUDA-core scale promotion.
 
 This file holds the Hopper kernel class (`GroupedGemmSm90`), its configuration and
-heuristics; the problem and operand checks (`problem.py`), the tile walk over ``offs``
-(`schedule.py`) and the launch (`launcher.py`) are shared with the Blackwell kernel. Both
+heuristics, its scale warps in `sm90_scales.py`; the problem and operand checks
+(`problem.py`), the tile walk over ``offs`` (`schedule.py`) and the launch (`launcher.py`)
+are shared with the Blackwell kernel. Both
 groupings (``config.mode``): M-grouped (fprop ``Y_g = X_g W_g^T``, dgrad ``dX_g = dY_g W_g``)
 and K-grouped (wgrad ``dW_g = dY_g^T X_g``, zeros for an empty group).
 
 Structure (persistent: at most one CTA of 384 threads = 3 warpgroups per SM; every role of a CTA
-walks the same 128 x 128 output tiles of `schedule.GroupedTileSchedule`, n-tile fastest, and the
-smem pipeline runs on across tiles, so the next tile's loads overlap this tile's epilogue):
+walks the same 128 x ``tile_n`` output tiles of `schedule.GroupedTileSchedule` (x tile fastest,
+or in raster bands), and the smem pipeline runs on across tiles, so the next tile's loads
+overlap this tile's epilogue):
 
-* warp 0 (producer): TMA of the A and B tiles (128 rows x 128 K bytes each) into an
+* warp 0 (producer): TMA of the A and B tiles (128 rows x 128 K bytes each; a 256-column
+  tile's B as two 128-row boxes into two sub-stages) into an
   ``S``-stage smem ring (PipelineTmaAsync), the tile origin read from ``offs`` on the GPU.
   K-grouped groups whose first token is not 16-byte aligned cannot be TMA'd (Hopper traps with
   "illegal instruction" on an unaligned innermost TMA coordinate, seen on the device): for
@@ -27,7 +30,8 @@ smem pipeline runs on across tiles, so the next tile's loads overlap this tile's
   ``wgmma.m64n128k32`` into a temporary accumulator, then "promotion"
   ``acc += tmp * (sa[row] * sb[col])`` on the CUDA cores. Two temporaries alternate so that the
   next step's wgmma is in flight while the previous one is promoted.
-* epilogue: predicated direct stores (rows masked by the group end, columns by N).
+* epilogue: predicated direct stores of adjacent column pairs (one 32-bit store per two bf16
+  values; rows masked by the group end, columns by N).
 
 Group structure comes from ``offs`` on the device (no host sync, `schedule.py`). K-grouped, a
 group's last k-tile reads the next group's tokens, which are zeroed in smem (both operands, so
@@ -46,10 +50,14 @@ promotion is one FFMA per element).
 The 1x128 recipe (``scale_blocks="1x128"``; docs/numerics.md "The 1x128 recipe"): one scale
 per 128 elements of the reduced axis on both sides (M-grouped: 128x128 weight tiles), so the 4
 wgmmas of a k-tile accumulate in the tensor core and the promotion runs once per k-tile -- 4x fewer
-FP32 operations (64 FFMA per thread per k-tile M-grouped, + 64 FMUL K-grouped). M-grouped, the
-promotion of k-tile 2p overlaps the wgmmas of 2p+1 (`consumer_k128_overlapped`). The scale
-warps check that the 4 replicated block bytes agree (otherwise the outputs become NaN).
-What limits this recipe is measured in docs/NOTES.md ("The 1x128 recipe on Hopper").
+FP32 operations (64 FFMA per thread per k-tile M-grouped, + 64 FMUL K-grouped). The scale
+warps check that the 4 replicated block bytes agree (otherwise the outputs become NaN). By
+default its output tiles are 128 x 256 (``tile_n``; two column halves of one wgmma N = 128
+each, two 64 x 128 accumulators and one temporary per consumer thread, `consumer_k128_wide`)
+walked in raster bands of 16 rows of tiles (``band_m``), so the CTAs running at once share B
+tiles in L2; 128 x 128 tiles promote k-tile 2p under the wgmmas of 2p+1 instead
+(`consumer_k128_overlapped`). What limits this recipe is measured in docs/NOTES.md ("The 1x128
+recipe on Hopper", "Wide tiles and banded raster").
 """
 
 from __future__ import annotations
@@ -67,17 +75,24 @@ import torch
 from cutlass import Float32, Int32
 
 from ..common import TORCH_TO_CUTLASS
-from ..mx_format import E8M0_NAN, K_GROUP_ALIGN, SCALE_BLOCKS
+from ..mx_format import K_GROUP_ALIGN, SCALE_BLOCKS
 from .base import GroupedGemmBase
 from .problem import MODE_M, MODES, GroupedProblem
 from .schedule import TILE_K
+from .sm90_scales import (
+    BLOCKS_PER_KTILE,
+    PROD_STRIDE,
+    SCALE_ROWS,
+    SFA_STRIDE,
+    SFB_STRIDE,
+    Sm90ScaleWarps,
+)
 
 DIAG_MODES = ("", "no_promote", "no_scale_wait", "promote_only")
-TILE_M = 128  # two consumer warpgroups of 64 rows; equals the packed scale tile's 128 rows
-TILE_N = 128  # one packed scale tile of B per k-tile
-MMA_K = 32  # one fp8 wgmma step == one scale block
-BLOCKS_PER_KTILE = TILE_K // MMA_K
-SCALE_TILE_WORDS = 128  # 512 bytes as int32 words
+TILE_M = SCALE_ROWS  # two consumer warpgroups of 64 rows; the packed scale tile's 128 rows
+TILE_N = SCALE_ROWS  # the wgmma's N: one packed scale tile of B per k-tile
+TILE_NS = (TILE_N, 2 * TILE_N)  # output tile widths: one or two wgmma column halves
+RASTER_BAND = 16  # rows of tiles per raster band of the 1x128 kernels (docs/NOTES.md)
 THREADS_PER_WG = 128
 NUM_CONSUMER_WG = 2
 NUM_THREADS = THREADS_PER_WG * (1 + NUM_CONSUMER_WG)
@@ -85,15 +100,9 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 SMEM_RESERVE = 2048  # barriers + alignment slack
 MAX_STAGES = 8
-F32_NAN_BITS = 0x7FC00000
 CONSUMER_BARRIER_ID = 1
 TMA_INNER_ALIGN = K_GROUP_ALIGN  # TMA's innermost (token) coordinate must be 16-byte aligned
 COPY_ROWS = 8  # rows per batch of independent loads in the slow copy path
-SCALE_WARPS = 3  # producer-warpgroup warps 1..3 convert scales
-SFA_STRIDE = TILE_M  # fp32 row scales per block
-SFB_Q_STRIDE = TILE_N // 4 + 4  # 32 column scales per lane%4 group + 4 pad (bank spread)
-SFB_STRIDE = 4 * SFB_Q_STRIDE
-PROD_STRIDE = (TILE_M // 2) * 8  # 32x32 mode: 64 thread-row pairs x 8 products per block
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,16 @@ class GroupedGemmSm90Config:
     # (`can_cluster`; otherwise `select_config` uses 1). On for 1x128 K-grouped only, where the
     # kernel is feed-bound again (measured).
     cluster_n: int = 1
+    # output tile width: 128 (one wgmma of N = 128 per k=32 step) or 256 (1x128 M-grouped
+    # only: two column halves sharing the A tile, one temporary reused for both halves, so
+    # the A tile is loaded half as often per output and the per-tile cost is amortised over
+    # twice the work; `select_config` picks 256 for 1x128 M-grouped when N > 128)
+    tile_n: int = TILE_N
+    # raster band: the schedule walks bands of this many rows of tiles, x-tile by x-tile (a
+    # cluster's tiles together) with the band's rows fastest, so the CTAs running at once
+    # share B tiles in L2 (`schedule.GroupedTileSchedule.tile_coords`). 1: row by row.
+    # `select_config`: RASTER_BAND for the 1x128 recipe (measured), else 1.
+    band_m: int = 1
     # diagnostics for measuring the kernel's limits (results are WRONG; never dispatched):
     # "no_promote": the wgmmas accumulate straight into acc (the same pipeline without the
     # CUDA-core promotion); "no_scale_wait": scale warps idle, consumers do not wait for them;
@@ -151,40 +170,53 @@ class GroupedGemmSm90Config:
             raise ValueError("cluster_n must be 1 or 2")
         if self.diag not in DIAG_MODES:
             raise ValueError(f"diag must be one of {DIAG_MODES}, got {self.diag!r}")
+        if self.tile_n not in TILE_NS:
+            raise ValueError(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
+        if self.tile_n != TILE_N and self.scale_blocks != "1x128":
+            raise ValueError("256-column tiles are built for the 1x128 recipe only")
+        if self.band_m < 1:
+            raise ValueError("band_m must be >= 1")
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(GroupedGemmSm90Config)
                       if f.name not in ("mode", "n", "k", "out_dtype", "scale_blocks"))
 
 
-def can_cluster(mode: str, n: int, k: int, cluster_n: int) -> bool:
+def can_cluster(mode: str, n: int, k: int, cluster_n: int, tile_n: int = TILE_N) -> bool:
     """Whether output tiles along the fast axis (M-grouped: N, K-grouped: K) pair up evenly
     into clusters of ``cluster_n`` CTAs (the cluster's CTAs must share every tile's A rows)."""
     x_extent = n if mode == MODE_M else k
-    return -(-x_extent // TILE_N) % cluster_n == 0
+    return -(-x_extent // tile_n) % cluster_n == 0
 
 
-class GroupedGemmSm90(GroupedGemmBase):
+class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmBase):
     """Grouped MXFP8 GEMM for sm_90a; see the module docstring."""
 
     tile_m = TILE_M
-    tile_n = TILE_N
 
     def __init__(self, config: GroupedGemmSm90Config):
+        self.tile_n = config.tile_n  # the schedule's unit and raster (`GroupedGemmBase`)
+        self.band_m = config.band_m
+        # column halves of an output tile, each one wgmma N and one packed B scale tile wide
+        self.halves = config.tile_n // TILE_N
+        self.b_scale_tiles = self.halves
         super().__init__(config)
         self.weights_32x32 = config.scale_blocks == "32x32"
         # 1x128 recipe: one promotion per k-tile; with 128x128 weight tiles the scale warps
         # write the row scale x tile scale products, so the promotion is 1 FFMA per element
         self.blocks_1x128 = config.scale_blocks == "1x128"
         self.weights_128x128 = self.blocks_1x128 and self.is_m
-        self.sblocks = 1 if self.blocks_1x128 else BLOCKS_PER_KTILE  # scale blocks per stage
+        # scale slots per stage: 1x32 / 32x32 one per k=32 block; 1x128 one per column half
+        self.sblocks = self.halves if self.blocks_1x128 else BLOCKS_PER_KTILE
         self.overlap = (self.is_m if config.overlap_promotion is None
                         else config.overlap_promotion)
         self.hoist_scales = (self.weights_32x32 if config.hoist_scales is None
                              else config.hoist_scales)
         self.out_dtype = TORCH_TO_CUTLASS[config.out_dtype]
+        # two adjacent output columns as one store (`epilogue`)
+        self.pair_dtype = Int32 if self.out_dtype.width == 16 else cutlass.Int64
         self.ab_dtype = cutlass.Float8E4M3FN
-        ab_stage_bytes = (TILE_M + TILE_N) * TILE_K
+        ab_stage_bytes = (TILE_M + self.tile_n) * TILE_K
         # 32x32 mode keeps the row x column-group scale products (PROD_STRIDE per block) in
         # the sSFA region instead of the row and column scales (see scale_producer)
         self.products = self.weights_32x32 and config.scale_products is not False
@@ -199,17 +231,24 @@ class GroupedGemmSm90(GroupedGemmBase):
     # ------------------------------------------------------------------ host-side decisions
     @classmethod
     def select_config(cls, problem: GroupedProblem, tuning: dict | None = None):
-        """The configuration: the problem's static part, 2-CTA clusters for the 1x128
-        K-grouped kernel where the tiles pair up, then ``tuning``'s overrides (benchmarks)."""
-        cluster_n = 2 if problem.mode != MODE_M and problem.scale_blocks == "1x128" else 1
-        cfg = GroupedGemmSm90Config(problem.mode, problem.n, problem.k, problem.out_dtype,
-                                    problem.scale_blocks, cluster_n=cluster_n)
+        """The configuration: the problem's static part; for the 1x128 recipe 256-column
+        tiles (more than 128 output columns), raster bands of RASTER_BAND rows of tiles and,
+        K-grouped, 2-CTA clusters where the tiles pair up; then ``tuning``'s overrides
+        (benchmarks)."""
+        k128 = problem.scale_blocks == "1x128"
+        wide = k128 and (problem.n if problem.mode == MODE_M else problem.k) > TILE_N
+        fields = dict(cluster_n=2 if problem.mode != MODE_M and k128 else 1,
+                      tile_n=TILE_NS[1] if wide else TILE_N,
+                      band_m=RASTER_BAND if k128 else 1)
         if tuning:
             bad = sorted(set(tuning) - set(TUNING_FIELDS))
             if bad:
                 raise ValueError(f"tuning may only set {TUNING_FIELDS}, got {bad}")
-            cfg = dataclasses.replace(cfg, **tuning)
-        if cfg.cluster_n > 1 and not can_cluster(cfg.mode, cfg.n, cfg.k, cfg.cluster_n):
+            fields.update(tuning)
+        cfg = GroupedGemmSm90Config(problem.mode, problem.n, problem.k, problem.out_dtype,
+                                    problem.scale_blocks, **fields)
+        if cfg.cluster_n > 1 and not can_cluster(cfg.mode, cfg.n, cfg.k, cfg.cluster_n,
+                                                 cfg.tile_n):
             cfg = dataclasses.replace(cfg, cluster_n=1)
         return cfg
 
@@ -228,15 +267,17 @@ class GroupedGemmSm90(GroupedGemmBase):
 
     # ------------------------------------------------------------------ host-side (traced)
     def _smem_layouts(self):
-        def one(rows):
+        def one(rows, stages):
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
                 sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype,
                                                 TILE_K),
                 self.ab_dtype,
             )
-            return cute.tile_to_shape(atom, (rows, TILE_K, self.stages), order=(0, 1, 2))
+            return cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2))
 
-        return one(TILE_M), one(TILE_N)
+        # B: a stage of a 256-column tile is two 128-row sub-stages (2 s + h for column half
+        # h), each the operand of one wgmma of N = 128 and the target of one TMA box
+        return one(TILE_M, self.stages), one(TILE_N, self.stages * self.halves)
 
     def _make_tiled_mma(self):
         """Two consumer warpgroups, each m64 n128 k32 fp8 wgmma with K-major operands."""
@@ -264,16 +305,20 @@ class GroupedGemmSm90(GroupedGemmBase):
         assert self.stage_swizzle[1] >= 2, "the swizzle must keep 4-byte words whole"
         mA3, mB3, mC3 = self.views(a_ptr, b_ptr, out_ptr, m, num_groups)
         mA = mA3[None, None, 0]
+        # the output as pairs of adjacent columns (one 32- or 64-bit store per pair, see
+        # `epilogue`; the output width is a multiple of 32, `limits`), 64-bit strides: M x N
+        # may pass 2^31 elements
+        pair_ptr = cute.recast_ptr(out_ptr, dtype=self.pair_dtype)
         if cutlass.const_expr(self.is_m):
             mB = mB3
-            # 64-bit row stride: M x N may pass 2^31 elements
-            mOut = cute.make_tensor(out_ptr, cute.make_layout(
-                (m, self.cfg.n), stride=(cutlass.Int64(self.cfg.n), 1)))
+            half_n = self.cfg.n // 2
+            mOut = cute.make_tensor(pair_ptr, cute.make_layout(
+                (m, half_n), stride=(cutlass.Int64(half_n), 1)))
         else:
             mB = mB3[None, None, 0]
-            n, k = self.cfg.n, self.cfg.k
-            mOut = cute.make_tensor(out_ptr, cute.make_layout(
-                (n, k, num_groups), stride=(k, 1, cutlass.Int64(n * k))))
+            n, half_k = self.cfg.n, self.cfg.k // 2
+            mOut = cute.make_tensor(pair_ptr, cute.make_layout(
+                (n, half_k, num_groups), stride=(half_k, 1, cutlass.Int64(n * half_k))))
         sfA = cute.make_tensor(cute.recast_ptr(sfa_ptr, dtype=Int32),
                                cute.make_layout(sfa_bytes // 4))
         sfB = cute.make_tensor(cute.recast_ptr(sfb_ptr, dtype=Int32),
@@ -368,7 +413,7 @@ class GroupedGemmSm90(GroupedGemmBase):
                 p = cid
                 cur = self.sched.seek(offs, self.cluster_unit(p, rank), self.sched.start(offs))
                 while cur[0] < num_groups:
-                    tx, ty, row0, row_end, _, _, k_tiles, _, grp = \
+                    tx, ty, row0, row_end, _, _, _, k_tiles, _, grp = \
                         self.tile_args(self.cluster_unit(p, rank), cur)
                     tma_ok = True
                     if cutlass.const_expr(not self.is_m):
@@ -393,10 +438,10 @@ class GroupedGemmSm90(GroupedGemmBase):
                 p = cid
                 cur = self.sched.seek(offs, self.cluster_unit(p, rank), self.sched.start(offs))
                 while cur[0] < num_groups:
-                    _, _, _, _, a_tile0, b_tile0, k_tiles, _, _ = \
+                    _, _, _, _, a_tile0, b_tile0, b_tile1, k_tiles, _, _ = \
                         self.tile_args(self.cluster_unit(p, rank), cur)
-                    self.scale_producer(pipe, sfA, sfB, sSFA, sSFB, a_tile0, b_tile0, kbase,
-                                        k_tiles, warp_idx - 1)
+                    self.scale_producer(pipe, sfA, sfB, sSFA, sSFB, a_tile0, b_tile0, b_tile1,
+                                        kbase, k_tiles, warp_idx - 1)
                     kbase = kbase + k_tiles
                     p = p + n_clusters
                     cur = self.sched.seek(offs, self.cluster_unit(p, rank), cur)
@@ -406,7 +451,7 @@ class GroupedGemmSm90(GroupedGemmBase):
             p = cid
             cur = self.sched.seek(offs, self.cluster_unit(p, rank), self.sched.start(offs))
             while cur[0] < num_groups:
-                tx, ty, row0, row_end, _, _, k_tiles, tok_valid_last, grp = \
+                tx, ty, row0, row_end, _, _, _, k_tiles, tok_valid_last, grp = \
                     self.tile_args(self.cluster_unit(p, rank), cur)
                 cons = self.consumer(pipe, cons, tiled_mma, sA, sB, sSFA, sSFB, mOut, tidx,
                                      wg_idx, row0, row_end, tx, ty, grp, k_tiles,
@@ -428,12 +473,19 @@ class GroupedGemmSm90(GroupedGemmBase):
     @cute.jit
     def tile_args(self, unit: Int32, cur):
         """Unit ``unit`` of the walk (``cur``: its group's cursor) -> (bidx, bidy, row0,
-        row_end, a_tile0, b_tile0, k_tiles, tok_valid_last, group): its tile coordinates along
-        x (n-tiles, fastest) and y, its token range, the packed scale tiles of k-tile 0
-        (`problem.scale_tile_index`) and the valid tokens of the last k-tile (K-grouped)."""
+        row_end, a_tile0, b_tile0, b_tile1, k_tiles, tok_valid_last, group): its tile
+        coordinates along x (n-tiles, fastest) and y, its token range, the packed scale tiles
+        of k-tile 0 (`problem.scale_tile_index`; ``b_tile1``: a 256-column tile's second B
+        tile, -1 when its columns lie past N or the tile has one) and the valid tokens of the
+        last k-tile (K-grouped)."""
         g, _, t0, t1, _ = cur
         mt, nt = self.sched.tile_coords(unit, cur)
-        a_tile0, b_tile0, _ = self.sched.scale_tiles(mt, nt, Int32(0), cur)
+        a_tile0, b_tile0, b_step = self.sched.scale_tiles(mt, nt, Int32(0), cur)
+        b_tile1 = Int32(-1)
+        if cutlass.const_expr(self.halves == 2):
+            x_extent = self.cfg.n if self.is_m else self.cfg.k  # output columns
+            if nt * self.tile_n + TILE_N < x_extent:
+                b_tile1 = b_tile0 + b_step
         k_tiles = self.sched.k_tiles(cur)
         row0 = t0
         tok_valid_last = Int32(TILE_K)
@@ -441,7 +493,7 @@ class GroupedGemmSm90(GroupedGemmBase):
             row0 = t0 + mt * TILE_M
         else:
             tok_valid_last = (t1 - t0) - (k_tiles - 1) * TILE_K
-        return nt, mt, row0, t1, a_tile0, b_tile0, k_tiles, tok_valid_last, g
+        return nt, mt, row0, t1, a_tile0, b_tile0, b_tile1, k_tiles, tok_valid_last, g
 
     @cute.jit
     def tma_producer(self, pipe, state, tma_a, tA: cute.Tensor, tma_b, tB: cute.Tensor,
@@ -450,20 +502,27 @@ class GroupedGemmSm90(GroupedGemmBase):
         if cutlass.const_expr(self.is_m):
             gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (TILE_M, TILE_K),
                                  (0, None))
-            gB = cute.local_tile(tB, (TILE_N, TILE_K, 1), (bidx, None, grp))
-            gB = gB[(None, None, 0, None)]
+            # column half h of the output tile: B rows of 128-row tile halves * bidx + h
+            gBs = [cute.local_tile(tB, (TILE_N, TILE_K, 1),
+                                   (bidx * self.halves + h, None, grp))[(None, None, 0, None)]
+                   for h in range(self.halves)]
         else:
             gA = cute.local_tile(cute.domain_offset((0, row0), tA), (TILE_M, TILE_K),
                                  (bidy, None))
-            gB = cute.local_tile(cute.domain_offset((0, row0), tB), (TILE_N, TILE_K),
-                                 (bidx, None))
+            gBs = [cute.local_tile(cute.domain_offset((0, row0), tB), (TILE_N, TILE_K),
+                                   (bidx * self.halves + h, None)) for h in range(self.halves)]
         cl = self.cfg.cluster_n
         # with a cluster, this CTA's TMA moves slice `rank` of the A tile into every CTA
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, rank, cute.make_layout(cl), cute.group_modes(sA, 0, 2),
             cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        tBsB = None
+        tBgBs = []
+        for gB in gBs:
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2))
+            tBgBs.append(tBgB)
         for kt in range(k_tiles):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
@@ -472,7 +531,9 @@ class GroupedGemmSm90(GroupedGemmBase):
                           mcast_mask=cutlass.Int16((1 << cl) - 1))
             else:
                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            for h in cutlass.range_constexpr(self.halves):
+                cute.copy(tma_b, tBgBs[h][(None, kt)],
+                          tBsB[(None, state.index * self.halves + h)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
         return state
@@ -488,12 +549,14 @@ class GroupedGemmSm90(GroupedGemmBase):
         sA_w = cute.make_tensor(cute.recast_ptr(pA, dtype=Int32),
                                 cute.make_layout(self.stages * TILE_M * TILE_K // 4))
         sB_w = cute.make_tensor(cute.recast_ptr(pB, dtype=Int32),
-                                cute.make_layout(self.stages * TILE_N * TILE_K // 4))
+                                cute.make_layout(self.stages * self.tile_n * TILE_K // 4))
         for kt in range(k_tiles):
             pipe.sync_object_empty.wait(state.index, state.phase)
             t0 = tok_start + kt * TILE_K
             self.copy_window(mA, sA_w, state.index, bidy * TILE_M, t0, tok_end, lane)
-            self.copy_window(mB, sB_w, state.index, bidx * TILE_N, t0, tok_end, lane)
+            for h in cutlass.range_constexpr(self.halves):
+                self.copy_window(mB, sB_w, state.index * self.halves + h,
+                                 bidx * self.tile_n + h * TILE_N, t0, tok_end, lane)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
             if lane == 0:
@@ -544,137 +607,6 @@ class GroupedGemmSm90(GroupedGemmBase):
                 sDst[stage * (TILE_K * TILE_K // 4) + byte // 4] = out & mask
 
     @cute.jit
-    def scale_producer(self, pipe, sfA: cute.Tensor, sfB: cute.Tensor, sSFA: cute.Tensor,
-                       sSFB: cute.Tensor, a_tile0: Int32, b_tile0: Int32, kbase: Int32,
-                       k_tiles: Int32, which: Int32):
-        """E8M0 bytes -> fp32 in smem, in the order the consumer threads read them.
-
-        Lane l holds packed word w of a tile: rows ``r = l + 32 w``, its 4 bytes = blocks 0..3.
-        1x32 (`write_scales`): A rows at ``pos_a(r)`` (each consumer thread's two rows r, r+8
-        adjacent); B columns at ``pos_b(c) = q*36 + j*2 + e`` for ``c = 8j + 2q + e`` (a
-        thread's 32 columns contiguous: 8 x 16-byte loads; the 4-float pad per q keeps the four
-        q-groups of a warp on different banks). 32x32: `write_products`.
-        SCALE_WARPS warps take the pipeline's k-tiles round-robin: one warp's loop waits on
-        its global loads (~1 us), three keep ahead of the consumers (removing the scale work
-        altogether, diag "no_scale_wait", did not speed up 1x32 mode).
-        """
-        lane = cute.arch.lane_idx()
-        ahead = self.cfg.scale_lookahead
-        # pipeline position of this tile's k-tile kt is kbase + kt; this warp takes those with
-        # (kbase + kt) % SCALE_WARPS == which: kt = first + SCALE_WARPS * j, j < n_own. Slot
-        # j % ahead of a register ring holds k-tile j's words while later loads fly.
-        first = (which - kbase % SCALE_WARPS + SCALE_WARPS) % SCALE_WARPS
-        n_own = (k_tiles - first + SCALE_WARPS - 1) // SCALE_WARPS
-        wa = cute.make_rmem_tensor((4, ahead), Int32)
-        wb = cute.make_rmem_tensor((4, ahead), Int32)
-        for s in cutlass.range_constexpr(ahead):
-            if s < n_own:
-                self.load_scale_words(sfA, sfB, wa, wb, s, a_tile0, b_tile0,
-                                      first + SCALE_WARPS * s, lane)
-        for j0 in range(0, n_own, ahead):
-            for s in cutlass.range_constexpr(ahead):
-                j = j0 + s
-                if j < n_own:
-                    kt = first + SCALE_WARPS * j
-                    pos = kbase + kt
-                    stage = pos % self.stages
-                    # producer phase starts at 1 (make_pipeline_state) and flips per wrap
-                    pipe.sync_object_empty.wait(stage, ((pos // self.stages) % 2) ^ 1)
-                    if cutlass.const_expr(self.blocks_1x128):
-                        self.write_scales_128(sSFA, sSFB, wa, wb, s, stage, lane)
-                    elif cutlass.const_expr(self.products):
-                        self.write_products(sSFA, wa, wb, s, stage, lane)
-                    else:
-                        self.write_scales(sSFA, sSFB, wa, wb, s, stage, lane)
-                    cute.arch.mbarrier_arrive(pipe.sync_object_full.get_barrier(stage))
-                    if j + ahead < n_own:
-                        self.load_scale_words(sfA, sfB, wa, wb, s, a_tile0, b_tile0,
-                                              kt + SCALE_WARPS * ahead, lane)
-
-    @cute.jit
-    def write_scales(self, sSFA: cute.Tensor, sSFB: cute.Tensor, wa: cute.Tensor,
-                     wb: cute.Tensor, slot: cutlass.Constexpr[int], stage: Int32, lane: Int32):
-        """1x32: row scales at ``pos_a(r)``, column scales at ``pos_b(c)`` (fp32)."""
-        for w in cutlass.range_constexpr(4):
-            r = lane + 32 * w
-            pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
-            pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
-            for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-                sSFA[pos_a, c, stage] = _e8m0_to_f32((wa[w, slot] >> (8 * c)) & 0xFF)
-                sSFB[pos_b, c, stage] = _e8m0_to_f32((wb[w, slot] >> (8 * c)) & 0xFF)
-
-    @cute.jit
-    def write_scales_128(self, sSFA: cute.Tensor, sSFB: cute.Tensor, wa: cute.Tensor,
-                         wb: cute.Tensor, slot: cutlass.Constexpr[int], stage: Int32,
-                         lane: Int32):
-        """1x128 recipe: one scale per row (and per column, or per 128x128 B tile) per k-tile.
-
-        The packed tiles hold each row's 4 block bytes, which this recipe makes equal (the
-        128-block's scale, replicated; blocks past a group's or K's end are 0 = pad): the scale
-        is their maximum, and bytes that disagree (an operand not quantized 1x128) give NaN, so
-        a wrong operand cannot give a plausible result. With 128x128 weight tiles, B's scale is
-        row 0's byte (every byte of the tile equals it or is pad) and the scale warps store the
-        products row scale x tile scale at ``pos_a(r)``; otherwise row scales at ``pos_a(r)``
-        and column scales at ``pos_b(c)`` as in 1x32 mode.
-        """
-        bt = Float32(1.0)
-        if cutlass.const_expr(self.weights_128x128):
-            ref = cute.arch.shuffle_sync(wb[0, slot], 0) & 0xFF
-            bad = Int32(0)
-            for w in cutlass.range_constexpr(4):
-                for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-                    b = (wb[w, slot] >> (8 * c)) & 0xFF
-                    bad = bad | (b * (ref - b))  # 0 iff b is the tile's byte or pad (0)
-            tile_byte = ref
-            if cute.arch.vote_any_sync(bad != 0):
-                tile_byte = Int32(E8M0_NAN)
-            bt = _e8m0_to_f32(tile_byte)
-        for w in cutlass.range_constexpr(4):
-            r = lane + 32 * w
-            pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
-            sa = _e8m0_to_f32(_block128_byte(wa[w, slot]))
-            if cutlass.const_expr(self.weights_128x128):
-                sSFA[pos_a, 0, stage] = sa * bt
-            else:
-                sSFA[pos_a, 0, stage] = sa
-                pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
-                sSFB[pos_b, 0, stage] = _e8m0_to_f32(_block128_byte(wb[w, slot]))
-
-    @cute.jit
-    def write_products(self, sSFA: cute.Tensor, wa: cute.Tensor, wb: cute.Tensor,
-                       slot: cutlass.Constexpr[int], stage: Int32, lane: Int32):
-        """32x32: the 8 products ``sa[row] * sb[column group]`` each consumer thread needs,
-        contiguous per thread: rows r0 = 64 cwg + 16 warp + lane/4 and r0 + 8 (h = 0, 1),
-        column groups 0..3 -> ``(r0 // 16 * 8 + r0 % 8) * 8 + 4 h + cg``. Moving the 8 FMULs
-        per k-step out of the consumers' promotion (whose issue time adds to the MMA time,
-        docs/NOTES.md) onto these otherwise idle warps."""
-        # column group cg's scale is row 32*cg of the packed B tile: lane 0, word cg
-        sbw = cute.make_rmem_tensor((4,), Int32)
-        for cg in cutlass.range_constexpr(TILE_N // 32):
-            sbw[cg] = cute.arch.shuffle_sync(wb[cg, slot], 0)
-        for w in cutlass.range_constexpr(4):
-            r = lane + 32 * w
-            base = ((r // 16) * 8 + r % 8) * 8 + ((r % 16) // 8) * 4
-            for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-                sa = _e8m0_to_f32((wa[w, slot] >> (8 * c)) & 0xFF)
-                prod = cute.make_rmem_tensor((TILE_N // 32,), Float32)
-                for cg in cutlass.range_constexpr(TILE_N // 32):
-                    prod[cg] = sa * _e8m0_to_f32((sbw[cg] >> (8 * c)) & 0xFF)
-                # one 16-byte store per (row, block): base is a multiple of 4 floats
-                dst = cute.make_tensor(sSFA[(None, c, stage)].iterator + base,
-                                       cute.make_layout((TILE_N // 32,)))
-                dst.store(prod.load())
-
-    @cute.jit
-    def load_scale_words(self, sfA: cute.Tensor, sfB: cute.Tensor, wa: cute.Tensor,
-                         wb: cute.Tensor, slot: cutlass.Constexpr[int], a_tile0: Int32,
-                         b_tile0: Int32, kt: Int32, lane: Int32):
-        """Lane ``lane``'s 4 words of k-tile ``kt``'s two packed scale tiles -> ring slot."""
-        for w in cutlass.range_constexpr(4):
-            wa[w, slot] = sfA[(a_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
-            wb[w, slot] = sfB[(b_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
-
-    @cute.jit
     def zero_tail(self, sA: cute.Tensor, sB: cute.Tensor, stage: Int32, ct: Int32,
                   valid_tok: Int32):
         """Zero token columns >= valid_tok of both operands' stage (K-grouped last k-tile)."""
@@ -686,7 +618,8 @@ class GroupedGemmSm90(GroupedGemmBase):
             c = idx % TILE_K
             if c >= valid_tok:
                 sA[r, c, stage] = self.ab_dtype(0.0)
-                sB[r, c, stage] = self.ab_dtype(0.0)
+                for h in cutlass.range_constexpr(self.halves):
+                    sB[r, c, stage * self.halves + h] = self.ab_dtype(0.0)
         # the generic-proxy stores must be visible to the wgmma (async proxy)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
@@ -722,7 +655,14 @@ class GroupedGemmSm90(GroupedGemmBase):
         pos_a = ((cwg * 4 + warp_in_wg) * 8 + lane // 4) * 2
         q = lane % 4
 
-        if cutlass.const_expr(self.blocks_1x128 and self.overlap):
+        acc1 = acc  # a 256-column tile's second column half
+        if cutlass.const_expr(self.halves == 2):
+            acc1 = cute.make_rmem_tensor(acc_shape, Float32)
+            acc1.fill(0.0)
+            state = self.consumer_k128_wide(pipe, state, acc, acc1, tmp0, tCrA, tCrB, sA, sB,
+                                            sSFA, sSFB, ct, pos_a, q, row0, k_tiles,
+                                            tok_valid_last)
+        elif cutlass.const_expr(self.blocks_1x128 and self.overlap):
             state = self.consumer_k128_overlapped(
                 pipe, state, tiled_mma, acc, tmp0, tmp1, tCrA, tCrB, sA, sB, sSFA, sSFB, ct,
                 pos_a, q, row0, k_tiles, tok_valid_last)
@@ -740,12 +680,7 @@ class GroupedGemmSm90(GroupedGemmBase):
                     # all of them), then one promotion per k-tile. The scales are in smem already
                     # (same full barrier), so they load while the wgmmas run.
                     sa0, sa1, sb = self.load_scales(sSFA, sSFB, stage, 0, pos_a, q)
-                    cute.nvgpu.warpgroup.fence()
-                    for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, blk != 0)
-                        cute.gemm(tiled_mma, tmp0, tCrA[(None, None, blk, stage)],
-                                  tCrB[(None, None, blk, stage)], tmp0)
-                    cute.nvgpu.warpgroup.commit_group()
+                    self.issue_ktile(tmp0, tCrA, tCrB, stage, stage)
                     cute.nvgpu.warpgroup.wait_group(0)
                     self.promote(acc, tmp0, sa0, sa1, sb)
                 elif cutlass.const_expr(self.cfg.diag == "no_promote"):
@@ -775,7 +710,38 @@ class GroupedGemmSm90(GroupedGemmBase):
                 pipe.consumer_release(state)
                 state.advance()
 
-        self.epilogue(acc, mOut, cwg, warp_in_wg, lane, row0, row_end, bidx, bidy, grp)
+        col0 = bidx * self.tile_n
+        self.epilogue(acc, mOut, cwg, warp_in_wg, lane, row0, row_end, col0, bidy, grp)
+        if cutlass.const_expr(self.halves == 2):
+            self.epilogue(acc1, mOut, cwg, warp_in_wg, lane, row0, row_end, col0 + TILE_N,
+                          bidy, grp)
+        return state
+
+    @cute.jit
+    def consumer_k128_wide(self, pipe, state, acc0: cute.Tensor, acc1: cute.Tensor,
+                           tmp: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+                           sA: cute.Tensor, sB: cute.Tensor, sSFA: cute.Tensor,
+                           sSFB: cute.Tensor, ct: Int32, pos_a: Int32, q: Int32, row0: Int32,
+                           k_tiles: Int32, tok_valid_last: Int32):
+        """1x128 k-loop of a 256-column tile: per k-tile and column half h, the 4 wgmmas of
+        N = 128 into the one temporary (A stage ``s``, B sub-stage ``2 s + h``), wait, promote
+        into ``acc_h`` (K-grouped: the last k-tile's tail zeroed first, `wait_ktile`).
+
+        Two accumulators of 64 x 128 and one temporary are 192 of the 232 registers; a second
+        temporary (the 128x128 kernel's overlap) does not fit, so a warpgroup's promotion does
+        not overlap its own wgmmas: the other consumer warpgroup's keep the tensor cores busy
+        meanwhile (its wgmmas of a half take 2-4x the promotion's issue time). Starting the
+        second warpgroup half a k-tile late in each tile (a named barrier), so that the two
+        could not fall into step, measured no faster (docs/NOTES.md)."""
+        for kt in range(k_tiles):
+            stage = self.wait_ktile(pipe, state, sA, sB, ct, row0, kt, k_tiles, tok_valid_last)
+            for h in cutlass.range_constexpr(2):
+                sa0, sa1, sb = self.load_scales(sSFA, sSFB, stage, h, pos_a, q)
+                self.issue_ktile(tmp, tCrA, tCrB, stage, stage * 2 + h)
+                cute.nvgpu.warpgroup.wait_group(0)
+                self.promote(acc0 if h == 0 else acc1, tmp, sa0, sa1, sb)
+            pipe.consumer_release(state)
+            state.advance()
         return state
 
     @cute.jit
@@ -801,15 +767,15 @@ class GroupedGemmSm90(GroupedGemmBase):
             st1 = self.wait_ktile(pipe, state, sA, sB, ct, row0, kt + 1, k_tiles,
                                   tok_valid_last)
             state.advance()
-            self.issue_ktile(tmp0, tCrA, tCrB, st0)
-            self.issue_ktile(tmp1, tCrA, tCrB, st1)
+            self.issue_ktile(tmp0, tCrA, tCrB, st0, st0)
+            self.issue_ktile(tmp1, tCrA, tCrB, st1, st1)
             rel = self.finish_ktile(pipe, rel, acc, tmp0, sSFA, sSFB, pos_a, q, 1)
             rel = self.finish_ktile(pipe, rel, acc, tmp1, sSFA, sSFB, pos_a, q, 0)
         if k_tiles % 2 == 1:
             st0 = self.wait_ktile(pipe, state, sA, sB, ct, row0, k_tiles - 1, k_tiles,
                                   tok_valid_last)
             state.advance()
-            self.issue_ktile(tmp0, tCrA, tCrB, st0)
+            self.issue_ktile(tmp0, tCrA, tCrB, st0, st0)
             rel = self.finish_ktile(pipe, rel, acc, tmp0, sSFA, sSFB, pos_a, q, 0)
         return state
 
@@ -826,8 +792,9 @@ class GroupedGemmSm90(GroupedGemmBase):
 
     @cute.jit
     def issue_ktile(self, tmp: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-                    stage: Int32):
-        """Issue the 4 wgmmas of the k-tile in ``stage`` into ``tmp`` (one commit group).
+                    stage: Int32, b_stage: Int32):
+        """Issue the 4 wgmmas of the k-tile in ``stage`` into ``tmp`` (one commit group); B
+        from ``b_stage`` (a 256-column tile's sub-stage, otherwise ``stage``).
 
         The ACCUMULATE flag is a value of the tiled MMA that ``set`` replaces: a tiled MMA made
         here keeps those values inside this call's control-flow region (the caller's, set
@@ -837,7 +804,7 @@ class GroupedGemmSm90(GroupedGemmBase):
         for blk in cutlass.range_constexpr(BLOCKS_PER_KTILE):
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, blk != 0)
             cute.gemm(tiled_mma, tmp, tCrA[(None, None, blk, stage)],
-                      tCrB[(None, None, blk, stage)], tmp)
+                      tCrB[(None, None, blk, b_stage)], tmp)
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
@@ -880,45 +847,6 @@ class GroupedGemmSm90(GroupedGemmBase):
             self.promote(acc, tmp, sa0, sa1, sb)
 
     @cute.jit
-    def load_scales(self, sSFA: cute.Tensor, sSFB: cute.Tensor, stage: Int32,
-                    blk: cutlass.Constexpr[int], pos_a: Int32, q: Int32):
-        """(sa0, sa1, sb): this thread's two row scales and its column scales of ``blk``.
-
-        1x32: ``sb`` holds the thread's 32 column scales (8 x 16-byte loads); 32x32: ``sb``
-        holds the 8 products row scale x column-group scale (4 column groups x 2 rows).
-        """
-        if cutlass.const_expr(self.weights_128x128):
-            # row scale x tile scale of this thread's rows r0, r0 + 8 (write_scales_128)
-            sa0 = sSFA[pos_a, blk, stage]
-            sa1 = sSFA[pos_a + 1, blk, stage]
-            sb = cute.make_rmem_tensor((1,), Float32)
-            sb[0] = Float32(1.0)
-        elif cutlass.const_expr(self.products):
-            # the 8 products written by write_products (pos_a // 2 = this thread's r0 index)
-            sa0 = Float32(1.0)
-            sa1 = Float32(1.0)
-            sb = cute.make_rmem_tensor((2 * (TILE_N // 32),), Float32)
-            view = cute.make_tensor(sSFA[(None, blk, stage)].iterator + (pos_a // 2) * 8,
-                                    cute.make_layout((2 * (TILE_N // 32),)))
-            sb.store(view.load())
-        elif cutlass.const_expr(self.weights_32x32):
-            sa0 = sSFA[pos_a, blk, stage]
-            sa1 = sSFA[pos_a + 1, blk, stage]
-            sb = cute.make_rmem_tensor((2 * (TILE_N // 32),), Float32)
-            for cg in cutlass.range_constexpr(TILE_N // 32):
-                sbc = sSFB[8 * cg, blk, stage]  # column 32*cg: j = 4*cg, q = 0, e = 0
-                sb[cg] = sa0 * sbc
-                sb[TILE_N // 32 + cg] = sa1 * sbc
-        else:
-            sa0 = sSFA[pos_a, blk, stage]
-            sa1 = sSFA[pos_a + 1, blk, stage]
-            sb = cute.make_rmem_tensor((TILE_N // 4,), Float32)
-            sb_view = cute.make_tensor(sSFB[(None, blk, stage)].iterator + q * SFB_Q_STRIDE,
-                                       cute.make_layout((TILE_N // 4,)))
-            sb.store(sb_view.load())
-        return sa0, sa1, sb
-
-    @cute.jit
     def promote(self, acc: cute.Tensor, tmp: cute.Tensor, sa0: Float32, sa1: Float32,
                 sb: cute.Tensor):
         """acc += tmp * sa[row] * sb[col] (scales from `load_scales`).
@@ -943,51 +871,33 @@ class GroupedGemmSm90(GroupedGemmBase):
 
     @cute.jit
     def epilogue(self, acc: cute.Tensor, mOut: cute.Tensor, cwg: Int32, warp_in_wg: Int32,
-                 lane: Int32, row0: Int32, row_end: Int32, bidx: Int32, bidy: Int32,
+                 lane: Int32, row0: Int32, row_end: Int32, col0: Int32, bidy: Int32,
                  grp: Int32):
-        out = cute.make_rmem_tensor(acc.shape, self.out_dtype)
-        out.store(acc.load().to(self.out_dtype))
+        """Store a 128-column accumulator whose first output column is ``col0``: values
+        ``2 j``, ``2 j + 1`` (adjacent columns of one row) as one 32-bit (bf16) or 64-bit (fp32)
+        store into ``mOut``, the output viewed as column pairs (half the store instructions
+        of element stores)."""
+        n_acc = cute.size(acc)
+        flat = cute.make_tensor(acc.iterator, cute.make_layout(n_acc))
+        out = cute.make_rmem_tensor((n_acc,), self.out_dtype)
+        out.store(flat.load().to(self.out_dtype))
+        pairs = cute.recast_tensor(out, self.pair_dtype)
         r_base = cwg * 64 + warp_in_wg * 16 + lane // 4
-        c_base = bidx * TILE_N + (lane % 4) * 2
+        p_base = col0 // 2 + lane % 4  # this thread's first column pair
         n_len = cute.size(mOut, mode=[0 if not self.is_m else 1])
         k_len = cute.size(mOut, mode=[1])
         # value i = 4 q + 2 h + b at row 8 h, column 8 q + b of this thread's origin (see
-        # `promote`); the runtime loop over q is fully unrolled (fewer bodies to trace)
-        for q in cutlass.range(cute.size(acc) // 4, unroll_full=True):
+        # `promote`): pair j = 2 q + h at column pair 4 q; the runtime loop over q is fully
+        # unrolled (fewer bodies to trace)
+        for q in cutlass.range(n_acc // 4, unroll_full=True):
             for h in cutlass.range_constexpr(2):
-                for b in cutlass.range_constexpr(2):
-                    i = 4 * q + 2 * h + b
-                    col = c_base + 8 * q + b
-                    if cutlass.const_expr(self.is_m):
-                        row = row0 + r_base + 8 * h
-                        if row < row_end and col < n_len:
-                            mOut[row, col] = out[i]
-                    else:
-                        row = bidy * TILE_M + r_base + 8 * h
-                        if row < n_len and col < k_len:
-                            mOut[row, col, grp] = out[i]
+                pc = p_base + 4 * q
+                if cutlass.const_expr(self.is_m):
+                    row = row0 + r_base + 8 * h
+                    if row < row_end and pc < n_len:
+                        mOut[row, pc] = pairs[2 * q + h]
+                else:
+                    row = bidy * TILE_M + r_base + 8 * h
+                    if row < n_len and pc < k_len:
+                        mOut[row, pc, grp] = pairs[2 * q + h]
 
-
-@cute.jit
-def _e8m0_to_f32(byte: Int32) -> Float32:
-    """2^(byte-127) built from the bits (byte 0 gives 0, not 2^-127); 0xFF gives NaN."""
-    bits = byte << 23
-    if byte == E8M0_NAN:
-        bits = Int32(F32_NAN_BITS)
-    return bits.bitcast(Float32)
-
-
-@cute.jit
-def _block128_byte(word: Int32) -> Int32:
-    """A packed word's 4 block bytes of one row -> its 1x128 scale byte: their maximum, or
-    0xFF (NaN) unless every byte equals it or is 0 (pad past a group's or K's end)."""
-    top = Int32(0)
-    for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-        top = cutlass.max(top, (word >> (8 * c)) & 0xFF)
-    bad = Int32(0)
-    for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
-        b = (word >> (8 * c)) & 0xFF
-        bad = bad | (b * (top - b))
-    if bad != 0:
-        top = Int32(E8M0_NAN)
-    return top

@@ -18,10 +18,10 @@ WALK_COLS = ("cluster", "g", "mt", "nt", "v", "a_row", "b_row", "b_l", "k0", "k_
              "sfb", "sfb_step")
 
 
-def walk(mode, sizes, n, k, tile_m, clusters, tile_n=128):
+def walk(mode, sizes, n, k, tile_m, clusters, tile_n=128, band_m=1, x_granule=1):
     """Records of the walk over groups ``sizes`` (dicts keyed by `WALK_COLS`), each cluster
     visiting units ``c, c + clusters, ...`` as the kernels do."""
-    sched = GroupedTileSchedule(mode, n, k, tile_m, tile_n)
+    sched = GroupedTileSchedule(mode, n, k, tile_m, tile_n, band_m, x_granule)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     rec = torch.full((16384, len(WALK_COLS)), -1, dtype=torch.int32)
     count = torch.zeros(1, dtype=torch.int32)

@@ -78,9 +78,21 @@ def test_scale_tile_index_mode_k():
             tb += L.ceil_div(m_g, 128)
 
 
-def _expected_walk(mode, sizes, n, k, mma_m, clusters):
+def _tile_order(m_tiles, n_tiles, band_m, gran=1):
+    """(mt, nt) in walk order inside a group: bands of ``band_m`` rows of tiles (1: row by
+    row), each walked granule by granule (``gran`` adjacent nt) with the band's rows
+    fastest."""
+    for m0 in range(0, m_tiles, band_m):
+        for g0 in range(0, n_tiles, gran):
+            for mt in range(m0, min(m0 + band_m, m_tiles)):
+                for nt in range(g0, g0 + gran):
+                    yield mt, nt
+
+
+def _expected_walk(mode, sizes, n, k, mma_m, clusters, tile_n=128, band_m=1, gran=1):
     """The same schedule from the contract: tiles numbered group by group (m-tile, then
-    n-tile), unit u on cluster u % clusters; scale tiles from `moe_mxfp8.layout`."""
+    n-tile, or in bands: `_tile_order`), unit u on cluster u % clusters; scale tiles from
+    `moe_mxfp8.layout`."""
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     starts = [0, *offs.tolist()[:-1]]
     rows = []
@@ -89,19 +101,19 @@ def _expected_walk(mode, sizes, n, k, mma_m, clusters):
         nb = L.ceil_div(k, 32)
         p_start = 0
         for g, m_g in enumerate(sizes):
-            for mt in range(L.ceil_div(m_g, mma_m)):
-                for nt in range(L.ceil_div(n, 128)):
-                    for v in range(mma_m // 128):
-                        a_row = starts[g] + mt * mma_m
-                        rows.append(dict(
-                            cluster=unit % clusters, g=g, mt=mt, nt=nt, v=v, a_row=a_row,
-                            b_row=nt * 128, b_l=g, k0=0, k_tiles=L.ceil_div(k, 128),
-                            sfa=L.packed_scale_offset(p_start + mt * mma_m + v * 128, 0, nb)
-                            // 512,
-                            sfb=(g * L.expert_scale_stride(n, nb)
-                                 + L.packed_scale_offset(nt * 128, 0, nb)) // 512,
-                            sfb_step=L.ceil_div(nb, 4)))
-                    unit += 1
+            for mt, nt in _tile_order(L.ceil_div(m_g, mma_m), L.ceil_div(n, tile_n), band_m,
+                                      gran):
+                for v in range(mma_m // 128):
+                    a_row = starts[g] + mt * mma_m
+                    rows.append(dict(
+                        cluster=unit % clusters, g=g, mt=mt, nt=nt, v=v, a_row=a_row,
+                        b_row=nt * tile_n, b_l=g, k0=0, k_tiles=L.ceil_div(k, 128),
+                        sfa=L.packed_scale_offset(p_start + mt * mma_m + v * 128, 0, nb)
+                        // 512,
+                        sfb=(g * L.expert_scale_stride(n, nb)
+                             + L.packed_scale_offset(nt * tile_n, 0, nb)) // 512,
+                        sfb_step=L.ceil_div(nb, 4)))
+                unit += 1
             p_start += L.round_up(m_g, 128)
         return rows
     nbt = L.grouped_k_num_blocks(offs)
@@ -109,35 +121,43 @@ def _expected_walk(mode, sizes, n, k, mma_m, clusters):
     off_b, _ = L.grouped_k_offsets(offs, k, nbt)
     _, block_id, _ = L.grouped_k_block_index(offs, int(offs[-1]))
     for g, m_g in enumerate(sizes):
-        for mt in range(L.ceil_div(n, 128)):
-            for nt in range(L.ceil_div(k, 128)):
-                row = dict(cluster=unit % clusters, g=g, mt=mt, nt=nt, v=0, a_row=mt * 128,
-                           b_row=nt * 128, b_l=0, k0=starts[g], k_tiles=L.ceil_div(m_g, 128),
-                           sfb_step=L.ceil_div(m_g, 128))
-                if m_g:  # an empty group loads no scales
-                    j = int(block_id[starts[g]])
-                    row["sfa"] = int(off_a[mt * 128, j]) // 512
-                    row["sfb"] = int(off_b[nt * 128, j]) // 512
-                rows.append(row)
-                unit += 1
+        for mt, nt in _tile_order(L.ceil_div(n, 128), L.ceil_div(k, tile_n), band_m, gran):
+            row = dict(cluster=unit % clusters, g=g, mt=mt, nt=nt, v=0, a_row=mt * 128,
+                       b_row=nt * tile_n, b_l=0, k0=starts[g], k_tiles=L.ceil_div(m_g, 128),
+                       sfb_step=L.ceil_div(m_g, 128))
+            if m_g:  # an empty group loads no scales
+                j = int(block_id[starts[g]])
+                row["sfa"] = int(off_a[mt * 128, j]) // 512
+                row["sfb"] = int(off_b[nt * tile_n, j]) // 512
+            rows.append(row)
+            unit += 1
     return rows
 
 
 @pytest.mark.parametrize(
-    "mode,sizes,n,k,mma_m,clusters",
+    "mode,sizes,n,k,mma_m,clusters,tile_n,band_m,gran",
     [
-        ("m", (130, 0, 37, 133, 0), 160, 288, 128, 3),
-        ("m", (300, 0, 531, 1), 96, 2880, 256, 4),
-        ("m", (0, 0, 5), 128, 128, 128, 7),
-        ("k", (100, 0, 33, 171, 0), 160, 96, 128, 5),
-        ("k", (16, 129, 0, 207), 288, 160, 128, 2),
+        ("m", (130, 0, 37, 133, 0), 160, 288, 128, 3, 128, 1, 1),
+        ("m", (300, 0, 531, 1), 96, 2880, 256, 4, 128, 1, 1),
+        ("m", (0, 0, 5), 128, 128, 128, 7, 128, 1, 1),
+        ("k", (100, 0, 33, 171, 0), 160, 96, 128, 5, 128, 1, 1),
+        ("k", (16, 129, 0, 207), 288, 160, 128, 2, 128, 1, 1),
+        # 256-column tiles and raster bands (the sm90 1x128 defaults): bands of 3 over 1 / 5
+        # / 11 m-tiles (a short last band), N not a multiple of the tile; K-grouped bands of
+        # 2 over 3 rows of tiles in granules of 2 (a 2-CTA cluster's tiles stay adjacent)
+        ("m", (130, 0, 600, 1300, 5), 640, 288, 128, 3, 256, 3, 1),
+        ("m", (1030, 0, 37), 384, 256, 128, 5, 256, 8, 1),
+        ("m", (700, 0, 300), 1024, 256, 128, 4, 256, 3, 2),
+        ("k", (100, 0, 33, 171, 0), 320, 1024, 128, 5, 256, 2, 2),
     ],
 )
-def test_device_schedule_covers_every_tile_once(mode, sizes, n, k, mma_m, clusters):
-    """Each output tile is visited by exactly one cluster, with the right operand origins,
-    k-tile count and packed-scale tiles (the schedule's device code, run on the host)."""
-    got = walk(mode, sizes, n, k, mma_m, clusters)
-    want = _expected_walk(mode, sizes, n, k, mma_m, clusters)
+def test_device_schedule_covers_every_tile_once(mode, sizes, n, k, mma_m, clusters, tile_n,
+                                                band_m, gran):
+    """Each output tile is visited by exactly one cluster, in the schedule's order (the
+    cluster that takes it), with the right operand origins, k-tile count and packed-scale
+    tiles (the schedule's device code, run on the host)."""
+    got = walk(mode, sizes, n, k, mma_m, clusters, tile_n, band_m, gran)
+    want = _expected_walk(mode, sizes, n, k, mma_m, clusters, tile_n, band_m, gran)
 
     def key(r):
         return (r["g"], r["mt"], r["nt"], r["v"])

@@ -50,14 +50,17 @@ needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
 # CPU: compile for sm_90a, inspect SASS
 # ---------------------------------------------------------------------------------------------
 
-# (mode, out dtype, scale-block choice, CTAs per cluster)
-VARIANTS = [("m", "bfloat16", "1x32", 1), ("m", "float32", "1x32", 1),
-            ("m", "bfloat16", "32x32", 1), ("k", "bfloat16", "1x32", 1),
-            ("k", "float32", "1x32", 1), ("m", "bfloat16", "32x32", 2),
-            ("k", "bfloat16", "1x32", 2),
+# (mode, out dtype, scale-block choice, CTAs per cluster, output tile width)
+VARIANTS = [("m", "bfloat16", "1x32", 1, 128), ("m", "float32", "1x32", 1, 128),
+            ("m", "bfloat16", "32x32", 1, 128), ("k", "bfloat16", "1x32", 1, 128),
+            ("k", "float32", "1x32", 1, 128), ("m", "bfloat16", "32x32", 2, 128),
+            ("k", "bfloat16", "1x32", 2, 128),
             # the 1x128 recipe: 128x128 weight tiles / 1x128 token blocks, promotion per k=128
-            ("m", "bfloat16", "1x128", 1), ("m", "float32", "1x128", 2),
-            ("k", "bfloat16", "1x128", 1)]
+            ("m", "bfloat16", "1x128", 1, 128), ("m", "float32", "1x128", 2, 128),
+            ("k", "bfloat16", "1x128", 1, 128),
+            # 256-column tiles (the 1x128 default for more than 128 output columns)
+            ("m", "bfloat16", "1x128", 1, 256), ("m", "float32", "1x128", 1, 256),
+            ("k", "bfloat16", "1x128", 2, 256), ("k", "float32", "1x128", 1, 256)]
 
 
 def _nvdisasm() -> str | None:
@@ -81,8 +84,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import torch
     from moe_mxfp8.kernels.grouped_gemm import launcher
     from moe_mxfp8.kernels.grouped_gemm.sm90 import GroupedGemmSm90, GroupedGemmSm90Config
-    mode, out_dtype, blocks, cl = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    cfg = GroupedGemmSm90Config(mode, 256, 512, getattr(torch, out_dtype), blocks, cluster_n=cl)
+    mode, out_dtype, blocks, cl, tn = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                       int(sys.argv[5]))
+    cfg = GroupedGemmSm90Config(mode, 256, 512, getattr(torch, out_dtype), blocks, cluster_n=cl,
+                                tile_n=tn)
     launcher.compile_config(GroupedGemmSm90, cfg, options="--keep-cubin")
     print("OK")
 """)
@@ -97,14 +102,14 @@ def _mm(mode, a, b, offs, out_dtype=torch.bfloat16, **launch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,out_dtype,scale_blocks,cluster_n", VARIANTS)
+@pytest.mark.parametrize("mode,out_dtype,scale_blocks,cluster_n,tile_n", VARIANTS)
 def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, mode, out_dtype, scale_blocks,
-                                                     cluster_n):
+                                                     cluster_n, tile_n):
     pytest.importorskip("cutlass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, mode, out_dtype,
-                          scale_blocks, str(cluster_n)], cwd=tmp_path, env=env,
+                          scale_blocks, str(cluster_n), str(tile_n)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-4000:]
     cubins = glob.glob(str(tmp_path / "*.cubin"))
@@ -118,6 +123,11 @@ def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, mode, out_dtype, 
     assert "UTMALDG" in sass
     # a cluster's A tile arrives by multicast (each CTA loads its half for both)
     assert ("MULTICAST" in sass) == (cluster_n > 1)
+    if tile_n == 256:
+        # per k-tile: 4 wgmmas per column half, each half waited for on its own (one
+        # temporary), and the B tile arrives as two TMA boxes
+        assert sass.count("QGMMA.64x128x32") == 8
+        assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 2
 
 
 @pytest.mark.slow
@@ -343,6 +353,93 @@ def test_1x128_cluster_and_persistent_loop(op):
             out = _mm("k", a, b, offs, **launch, aligned_groups=True,
                                  scale_blocks="1x128")
         _check(out, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("grouping", ["E8_edge", "E128"])
+@pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad", "wgrad_slow_copy"])
+def test_1x128_wide_tile_equals_narrow_tile(op, grouping):
+    """The 256-column tile computes every output element exactly as the 128-column tile does
+    (the same 4 wgmmas per k-tile and half, the same promotion order): bit-identical outputs,
+    both right. Output widths 384 / 320 / 288 leave a tile whose second half lies past the end
+    (no scale read) and partial scale tiles; a 3-CTA persistent grid walks many tiles per CTA;
+    wgrad with and without 2-CTA clusters, its groups re-laid out for TMA or (slow copy)
+    copied by the producer warp from unaligned starts."""
+    dev = "cuda"
+    torch.manual_seed(21 + len(grouping) + len(op))
+    sizes = _sizes(grouping, 3)
+    offs = _offs(sizes, dev)
+    m = sum(sizes)
+    launch, variants = {}, [dict(max_clusters=None), dict(max_clusters=3)]
+    if op in ("fprop", "dgrad"):
+        # fprop X (M, K) x W (E, N, K)^T -> (M, N); dgrad dY (M, N) x W (E, N, K) -> (M, K),
+        # the weights quantized along N
+        n, k, axis = (384, 352, "K") if op == "fprop" else (640, 320, "N")
+        x = torch.randn(m, k if op == "fprop" else n, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(len(sizes), n, k, device=dev, dtype=torch.bfloat16) * 0.05
+        a = R.quantize_rowwise_ref(x, offs=offs, scale_blocks="1x128")
+        b = R.quantize_weights_ref(w, axis=axis, block_rows=128)
+        mode, shape = "m", (m, n if op == "fprop" else k)
+    else:
+        n, k = 160, 288
+        a = R.quantize_colwise_ref(torch.randn(m, n, device=dev), offs=offs,
+                                   scale_blocks="1x128")
+        b = R.quantize_colwise_ref(torch.randn(m, k, device=dev), offs=offs,
+                                   scale_blocks="1x128")
+        mode, shape = "k", (len(sizes), n, k)
+        launch = dict(scale_blocks="1x128", aligned_groups=op == "wgrad_slow_copy")
+        variants += [dict(max_clusters=None, cluster_n=2), dict(max_clusters=2, cluster_n=2)]
+    outs = {}
+    for tile_n in (128, 256):
+        for v in variants:
+            out = torch.full(shape, float("nan"), device=dev, dtype=torch.bfloat16)
+            tuning = {"tile_n": tile_n, "cluster_n": v.get("cluster_n", 1)}
+            _mm(mode, a, b, offs, out=out, tuning=tuning, max_clusters=v["max_clusters"],
+                **launch)
+            outs[tile_n, tuple(sorted(v.items(), key=str))] = out
+    first = next(iter(outs.values()))
+    _check(first, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
+    for key, out in outs.items():
+        assert torch.equal(out, first), key
+
+
+def test_select_config_tile_width():
+    """The 1x128 kernels take 256-column tiles when the output has more than 128 columns and
+    raster bands, K-grouped 2-CTA clusters where the tiles pair up; the other recipes
+    128-column tiles row by row; bad widths and bands are refused."""
+    pytest.importorskip("cutlass")
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
+    from moe_mxfp8.kernels.grouped_gemm import sm90
+
+    def cfg(mode, cols, blocks, tuning=None):  # cols: output columns (the tiles' x extent)
+        n, k = (cols, 512) if mode == "m" else (512, cols)
+        p = P.GroupedProblem(mode=mode, m=256, n=n, k=k, num_groups=2,
+                             out_dtype=torch.bfloat16, scale_blocks=blocks,
+                             device=torch.device("cpu"))
+        return sm90.GroupedGemmSm90.select_config(p, tuning)
+
+    def shape(c):
+        return c.tile_n, c.band_m, c.cluster_n
+
+    assert shape(cfg("m", 4096, "1x128")) == (256, sm90.RASTER_BAND, 1)
+    assert shape(cfg("m", 128, "1x128")) == (128, sm90.RASTER_BAND, 1)
+    assert shape(cfg("m", 4096, "1x32")) == (128, 1, 1)
+    assert shape(cfg("k", 4096, "1x128")) == (256, sm90.RASTER_BAND, 2)
+    assert shape(cfg("k", 128, "1x128")) == (128, sm90.RASTER_BAND, 1)  # nothing to pair
+    assert shape(cfg("k", 384, "1x128")) == (256, sm90.RASTER_BAND, 2)  # 2 tiles: 1 pair
+    assert shape(cfg("k", 640, "1x128")) == (256, sm90.RASTER_BAND, 1)  # 3 tiles: no pairs
+    assert shape(cfg("m", 4096, "1x128", {"cluster_n": 2})) == (256, sm90.RASTER_BAND, 2)
+    assert shape(cfg("m", 4096, "1x128", {"tile_n": 128})) == (128, sm90.RASTER_BAND, 1)
+    with pytest.raises(ValueError, match="band_m"):
+        sm90.GroupedGemmSm90Config("k", 256, 256, scale_blocks="1x128", band_m=0)
+    with pytest.raises(ValueError, match="tile_n must be one of"):
+        sm90.GroupedGemmSm90Config("m", 256, 256, scale_blocks="1x128", tile_n=192)
+    with pytest.raises(ValueError, match="256-column tiles"):
+        sm90.GroupedGemmSm90Config("m", 256, 256, scale_blocks="1x32", tile_n=256)
+    with pytest.raises(ValueError, match="256-column tiles"):
+        sm90.GroupedGemmSm90Config("k", 256, 256, scale_blocks="1x32", tile_n=256)
 
 
 def test_kernel_refuses_operands_of_another_scale_block_choice():
