@@ -53,13 +53,13 @@ TBL_COLS = 6  # block-table columns (see the module doc)
 COL_TILE = 128  # features per program (a multiple of every ABLK)
 TOK_TILE = 16  # tokens per program in the per-token kernels
 # Rows a row-block program computes at a time (RB) per activation block, and its warps
-# (H100, 2026-11-23, docs/NOTES.md "Data path in 32-row chunks"). 32-row blocks: the block, 4
-# warps (8 were 38-65% slower). 128-row blocks: the dispatch and the combine backward walk them
-# in 32-row chunks at 4 warps (1.2-1.3x faster alone than one 128-row tile at the dsv3 shape);
-# the SwiGLU kernels, whose second walk would re-read two or three inputs per element (1.25x
-# slower in the mixtral layer), keep one 128-row tile, at 8 warps (2026-11-24: 7-11% faster
-# than 16 at mixtral, 4-7% at dsv3, although the backward spills 24 instructions there against
-# 41 at 16 warps; 32 warps and 64-row halves were slower: tools/swiglu_sweep.py).
+# (H100, docs/NOTES.md "Data path in 32-row chunks", "Wide tiles and banded raster";
+# tools/rowkernel_sweep.py). 32-row blocks: the block, 4 warps (8 were 38-65% slower).
+# 128-row blocks: the combine backward walks them in 32-row chunks at 4 warps (1.2x faster than
+# one 128-row tile; 64-row chunks within 2%); the dispatch and the SwiGLU kernels hold one
+# 128-row tile at 8 warps (2026-11-24: dispatch 1.36x faster than 32-row chunks at dsv3, no
+# spills; SwiGLU 4-11% faster than at 16 warps, although its backward spills 24 instructions
+# against 41 at 16 warps; 32 warps and 64-row halves were slower).
 CHUNKED_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_SIZE, 4)}
 WHOLE_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 8)}
 # Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
@@ -567,7 +567,7 @@ def dispatch(x, src, tbl, top_k, outs, ablk=BLOCK, aligned=False):
         return
     ptrs, flags = _quant_outs(outs, x)
     _dispatch_kernel[_grid_rows(tbl, d)](x, src, tbl, *ptrs, d, m, top_k, (d + 127) // 128 * 128,
-                                         **flags, **_row_meta(ablk, aligned))
+                                         **flags, **_row_meta(ablk, aligned, WHOLE_ROWS))
 
 
 def gather_sum(src, rows, out):

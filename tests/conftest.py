@@ -23,8 +23,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def gen():
-    """A fresh, unseeded-per-run generator: every run draws new random data (the seed is printed
-    on failure through the test id of `seed`)."""
+    """A fresh, unseeded-per-run generator: every run draws new random data. Its seed is
+    printed (pytest shows it with a failure's captured output; ``MOE_MXFP8_TEST_SEED=<seed>``
+    replays that data)."""
     g = torch.Generator()
-    g.seed()
+    replay = os.environ.get("MOE_MXFP8_TEST_SEED")
+    if replay:
+        g.manual_seed(int(replay))
+    else:
+        g.seed()
+    print(f"gen seed {g.initial_seed()} (replay: MOE_MXFP8_TEST_SEED={g.initial_seed()})")
     return g

@@ -373,7 +373,7 @@ _PTR_TYPES = {"x_ptr": "*bf16", "h_ptr": "*bf16", "da_ptr": "*bf16", "dout_ptr":
               "y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32",
               "src_ptr": "*i32", "tbl_ptr": "*i32"}
 # (kernel, extra constexprs, its launch's (chunk rows, warps) table)
-_ROW_KERNELS = [("_dispatch_kernel", {}, "CHUNKED_ROWS"), ("_swiglu_fwd_kernel", {}, "WHOLE_ROWS"),
+_ROW_KERNELS = [("_dispatch_kernel", {}, "WHOLE_ROWS"), ("_swiglu_fwd_kernel", {}, "WHOLE_ROWS"),
                 ("_swiglu_bwd_kernel", {"JOINT": False}, "WHOLE_ROWS"),
                 ("_swiglu_bwd_kernel", {"JOINT": True}, "WHOLE_ROWS"),
                 ("_combine_bwd_kernel", {"DW": True}, "CHUNKED_ROWS")]
@@ -387,8 +387,7 @@ _ROW_KERNELS = [("_dispatch_kernel", {}, "CHUNKED_ROWS"), ("_swiglu_fwd_kernel",
 def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
     """Each row-block kernel compiles for sm_90 without a GPU (Triton's own ptxas), with the
     launch constants the layer uses. The dispatch keeps everything in registers in both block
-    lengths: the 128-row blocks' second (columnwise) walk over 32-row chunks is a loop, not an
-    unrolled copy that holds the block (which spilled; docs/NOTES.md)."""
+    lengths (a 128-row block: one tile at 8 warps, 128 registers; docs/NOTES.md)."""
     from tests.triton_sm90 import compile_for_sm90
 
     K = _kernel_module()

@@ -64,7 +64,7 @@ for ablk in (32, 128):
     o_h = DP._outputs(M, H, E, True, True, False, x)
     o_2h = DP._outputs(M, 2 * H, E, True, True, False, x)
     cases = [
-        ("dispatch", K.CHUNKED_ROWS, lambda: K.dispatch(x, src, tbl, k, o_d, ablk, True),
+        ("dispatch", K.WHOLE_ROWS, lambda: K.dispatch(x, src, tbl, k, o_d, ablk, True),
          M * D * 4),
         ("swiglu_fwd", K.WHOLE_ROWS, lambda: K.swiglu_fwd(h, src, tbl, o_h, ablk, True),
          M * H * 6),
