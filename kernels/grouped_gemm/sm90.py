@@ -139,10 +139,11 @@ class GroupedGemmSm90Config:
     # (`can_cluster`; otherwise `select_config` uses 1). On for 1x128 K-grouped only, where the
     # kernel is feed-bound again (measured).
     cluster_n: int = 1
-    # output tile width: 128 (one wgmma of N = 128 per k=32 step) or 256 (1x128 M-grouped
+    # output tile width: 128 (one wgmma of N = 128 per k=32 step) or 256 (the 1x128 recipe
     # only: two column halves sharing the A tile, one temporary reused for both halves, so
     # the A tile is loaded half as often per output and the per-tile cost is amortised over
-    # twice the work; `select_config` picks 256 for 1x128 M-grouped when N > 128)
+    # twice the work; `select_config` picks 256 for the 1x128 recipe when the output has more
+    # than 128 columns)
     tile_n: int = TILE_N
     # raster band: the schedule walks bands of this many rows of tiles, x-tile by x-tile (a
     # cluster's tiles together) with the band's rows fastest, so the CTAs running at once
@@ -199,7 +200,6 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmBase):
         self.band_m = config.band_m
         # column halves of an output tile, each one wgmma N and one packed B scale tile wide
         self.halves = config.tile_n // TILE_N
-        self.b_scale_tiles = self.halves
         super().__init__(config)
         self.weights_32x32 = config.scale_blocks == "32x32"
         # 1x128 recipe: one promotion per k-tile; with 128x128 weight tiles the scale warps

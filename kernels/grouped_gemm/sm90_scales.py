@@ -30,9 +30,9 @@ F32_NAN_BITS = 0x7FC00000
 
 class Sm90ScaleWarps:
     """Scale-warp and scale-layout methods of `GroupedGemmSm90` (needs its ``cfg``,
-    ``stages``, ``blocks_1x128``, ``weights_128x128``, ``weights_32x32``, ``products``,
-    ``halves`` and ``b_scale_tiles``: column halves of the output tile and packed B scale
-    tiles per k-tile, 2 for a 256-column tile)."""
+    ``stages``, ``blocks_1x128``, ``weights_128x128``, ``weights_32x32``, ``products`` and
+    ``halves``: the output tile's 128-column halves, each one packed B scale tile per
+    k-tile)."""
 
     @cute.jit
     def scale_producer(self, pipe, sfA: cute.Tensor, sfB: cute.Tensor, sSFA: cute.Tensor,
@@ -48,7 +48,7 @@ class Sm90ScaleWarps:
         SCALE_WARPS warps take the pipeline's k-tiles round-robin: one warp's loop waits on
         its global loads (~1 us), three keep ahead of the consumers (removing the scale work
         altogether, diag "no_scale_wait", did not speed up 1x32 mode).
-        A 256-column tile (``b_scale_tiles == 2``) reads a second B tile per k-tile, starting
+        A 256-column tile (``halves == 2``) reads a second B tile per k-tile, starting
         at ``b_tile1`` (negative: its columns lie past N, nothing is read and its scale is 0).
         """
         lane = cute.arch.lane_idx()
@@ -59,7 +59,7 @@ class Sm90ScaleWarps:
         first = (which - kbase % SCALE_WARPS + SCALE_WARPS) % SCALE_WARPS
         n_own = (k_tiles - first + SCALE_WARPS - 1) // SCALE_WARPS
         wa = cute.make_rmem_tensor((4, ahead), Int32)
-        wb = cute.make_rmem_tensor((4 * self.b_scale_tiles, ahead), Int32)
+        wb = cute.make_rmem_tensor((4 * self.halves, ahead), Int32)
         for s in cutlass.range_constexpr(ahead):
             if s < n_own:
                 self.load_scale_words(sfA, sfB, wa, wb, s, a_tile0, b_tile0, b_tile1,
@@ -111,10 +111,10 @@ class Sm90ScaleWarps:
         ``h`` of a 256-column tile); otherwise row scales at ``pos_a(r)`` and column scales at
         ``pos_b(c)`` as in 1x32 mode (slot ``h``: B tile ``h``).
         """
-        bt = cute.make_rmem_tensor((self.b_scale_tiles,), Float32)
+        bt = cute.make_rmem_tensor((self.halves,), Float32)
         bt.fill(1.0)
         if cutlass.const_expr(self.weights_128x128):
-            for h in cutlass.range_constexpr(self.b_scale_tiles):
+            for h in cutlass.range_constexpr(self.halves):
                 ref = cute.arch.shuffle_sync(wb[4 * h, slot], 0) & 0xFF
                 bad = Int32(0)
                 for w in cutlass.range_constexpr(4):
@@ -130,13 +130,13 @@ class Sm90ScaleWarps:
             pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
             sa = _e8m0_to_f32(_block128_byte(wa[w, slot]))
             if cutlass.const_expr(self.weights_128x128):
-                for h in cutlass.range_constexpr(self.b_scale_tiles):
+                for h in cutlass.range_constexpr(self.halves):
                     sSFA[pos_a, h, stage] = sa * bt[h]
             else:
                 # slot h: the row scales (repeated, so that `load_scales` reads one slot) and
                 # the column scales of B tile h
                 pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
-                for h in cutlass.range_constexpr(self.b_scale_tiles):
+                for h in cutlass.range_constexpr(self.halves):
                     sSFA[pos_a, h, stage] = sa
                     sSFB[pos_b, h, stage] = _e8m0_to_f32(_block128_byte(wb[4 * h + w, slot]))
 
@@ -174,7 +174,7 @@ class Sm90ScaleWarps:
         for w in cutlass.range_constexpr(4):
             wa[w, slot] = sfA[(a_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
             wb[w, slot] = sfB[(b_tile0 + kt) * SCALE_TILE_WORDS + lane * 4 + w]
-        if cutlass.const_expr(self.b_scale_tiles == 2):
+        if cutlass.const_expr(self.halves == 2):
             for w in cutlass.range_constexpr(4):
                 wb[4 + w, slot] = 0
                 if b_tile1 >= 0:
