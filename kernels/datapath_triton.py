@@ -59,9 +59,13 @@ TOK_TILE = 16  # tokens per program in the per-token kernels
 # one 128-row tile; 64-row chunks within 2%); the dispatch and the SwiGLU kernels hold one
 # 128-row tile at 8 warps (2026-11-24: dispatch 1.36x faster than 32-row chunks at dsv3, no
 # spills; SwiGLU 4-11% faster than at 16 warps, although its backward spills 24 instructions
-# against 41 at 16 warps; 32 warps and 64-row halves were slower).
+# against 41 at 16 warps; 32 warps and 64-row halves were slower). The SwiGLU forward's tile
+# takes 197 registers a thread at 8 warps, so one program fits an SM; capped at 128 (a third
+# entry: Triton's maxnreg) two fit, and despite its spills (47 STL) it is 10-12% faster; the
+# backward, capped, spills 440 and runs 3x slower.
 CHUNKED_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_SIZE, 4)}
 WHOLE_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 8)}
+SWIGLU_FWD_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 8, 128)}
 # Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
 ROW_ALIGN = K_GROUP_ALIGN
@@ -344,6 +348,17 @@ def _exp(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _div(a, b, INTERP: tl.constexpr):
+    """IEEE fp32 division, as PyTorch's CUDA silu kernels divide: Triton's ``/`` compiles to
+    the approximate ``div.full.f32`` (up to 2 ulp), which made a BF16 SwiGLU-backward value
+    differ from PyTorch's by 1 ulp for rare inputs (a 1x128 layer test seed; docs/NOTES.md)."""
+    if INTERP:
+        return a / b
+    else:
+        return tl.math.div_rn(a, b)
+
+
+@triton.jit
 def _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP: tl.constexpr):
     """The fp32 gate and up tiles of the rows ``ok`` (zero elsewhere), ``valid`` their mask,
     and PyTorch's BF16 ``F.silu(gate)`` (silu in fp32 rounded to BF16)."""
@@ -351,7 +366,7 @@ def _gate_up(h_ptr, rows, ok, cols, cmask, H, INTERP: tl.constexpr):
     base = h_ptr + rows.to(tl.int64)[:, None] * (2 * H) + cols[None, :]
     g = tl.load(base, mask=valid, other=0.0).to(tl.float32)
     u = tl.load(base + H, mask=valid, other=0.0).to(tl.float32)
-    return valid, g, u, _rbf(g / (1.0 + _exp(-g, INTERP)), INTERP)
+    return valid, g, u, _rbf(_div(g, 1.0 + _exp(-g, INTERP), INTERP), INTERP)
 
 
 @triton.jit
@@ -379,7 +394,7 @@ def _swiglu_grads(da, g, u, s, INTERP: tl.constexpr):
     silu_backward formula dy * sig * (1 + x * (1 - sig)) in fp32. Returns (dgate, dup)."""
     dup = _rbf(da * s, INTERP)
     ds = _rbf(da * u, INTERP)
-    sig = 1.0 / (1.0 + _exp(-g, INTERP))
+    sig = _div(tl.full(g.shape, 1.0, tl.float32), 1.0 + _exp(-g, INTERP), INTERP)
     return _rbf(ds * sig * (1.0 + g * (1.0 - sig)), INTERP), dup
 
 
@@ -543,12 +558,16 @@ def _grid_rows(tbl: torch.Tensor, feats: int) -> tuple[int, int]:
 def _row_meta(ablk: int, aligned: bool, rows: dict = CHUNKED_ROWS) -> dict:
     """Launch constants of the row-block kernels for activation blocks of ``ablk`` rows;
     ``aligned``: every group starts on a multiple of `ROW_ALIGN` rows; ``rows``: the kernel's
-    (chunk rows, warps) per block length (`CHUNKED_ROWS` or `WHOLE_ROWS`)."""
+    (chunk rows, warps[, registers per thread]) per block length (`CHUNKED_ROWS`,
+    `WHOLE_ROWS`, `SWIGLU_FWD_ROWS`)."""
     if ablk not in ACT_BLOCKS:
         raise ValueError(f"activation block must be one of {ACT_BLOCKS}, got {ablk}")
-    rb, warps = rows[ablk]
-    return {"INTERP": INTERPRET, "RB": rb, "CB": COL_TILE, "ABLK": ablk,
+    rb, warps, *regs = rows[ablk]
+    meta = {"INTERP": INTERPRET, "RB": rb, "CB": COL_TILE, "ABLK": ablk,
             "RALIGN": ROW_ALIGN if aligned else 1, "num_warps": warps}
+    if regs:  # a cap on registers per thread (Triton's maxnreg)
+        meta["maxnreg"] = regs[0]
+    return meta
 
 
 def _quant_outs(outs: dict, like: torch.Tensor) -> tuple[list, dict]:
@@ -586,7 +605,8 @@ def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
         return
     ptrs, flags = _quant_outs(outs, h)
     _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m, (hh + 127) // 128 * 128,
-                                            **flags, **_row_meta(ablk, aligned, WHOLE_ROWS))
+                                            **flags,
+                                            **_row_meta(ablk, aligned, SWIGLU_FWD_ROWS))
 
 
 def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):

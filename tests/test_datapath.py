@@ -373,7 +373,8 @@ _PTR_TYPES = {"x_ptr": "*bf16", "h_ptr": "*bf16", "da_ptr": "*bf16", "dout_ptr":
               "y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32",
               "src_ptr": "*i32", "tbl_ptr": "*i32"}
 # (kernel, extra constexprs, its launch's (chunk rows, warps) table)
-_ROW_KERNELS = [("_dispatch_kernel", {}, "WHOLE_ROWS"), ("_swiglu_fwd_kernel", {}, "WHOLE_ROWS"),
+_ROW_KERNELS = [("_dispatch_kernel", {}, "WHOLE_ROWS"),
+                ("_swiglu_fwd_kernel", {}, "SWIGLU_FWD_ROWS"),
                 ("_swiglu_bwd_kernel", {"JOINT": False}, "WHOLE_ROWS"),
                 ("_swiglu_bwd_kernel", {"JOINT": True}, "WHOLE_ROWS"),
                 ("_combine_bwd_kernel", {"DW": True}, "CHUNKED_ROWS")]
@@ -393,11 +394,14 @@ def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
     K = _kernel_module()
     meta = {**K._row_meta(ablk, True, getattr(K, rows)), **extra, "QROW": True, "QCOL": True,
             "BF16": True}
-    warps = meta.pop("num_warps")
+    warps, regs = meta.pop("num_warps"), meta.pop("maxnreg", None)
     # as launched: 16-byte aligned buffers and sizes (Triton's specialization of such args)
-    k = compile_for_sm90(getattr(K, name), meta, _PTR_TYPES, warps, aligned_except=("TOPK",))
+    k = compile_for_sm90(getattr(K, name), meta, _PTR_TYPES, warps, aligned_except=("TOPK",),
+                         maxnreg=regs)
     ptx = k.asm["ptx"]
     assert ".target sm_90" in ptx
+    # IEEE division as PyTorch's silu kernels (Triton's `/` is the approximate div.full.f32)
+    assert "div.full" not in ptx
     # the columnwise copy's transposed rows go out as 16-byte stores (aligned groups)
     assert "st.global.v4.b32" in ptx
     if name == "_dispatch_kernel" or (name == "_swiglu_fwd_kernel" and ablk == 32):
