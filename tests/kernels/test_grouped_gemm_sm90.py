@@ -136,8 +136,9 @@ def test_promotion_instruction_mix(tmp_path):
     FFMA per accumulator element per k=32 step (64 x 4 = 256) -- in 32x32 mode no FMUL (the
     scale warps precompute the products), in 1x32 mode one FMUL each (the scale product).
     The 1x128 recipe promotes once per k-tile: 64 FFMA (4x fewer), plus 64 FMUL in wgrad
-    (row x column scale). More instructions here is a regression of the promotion, the
-    kernel's bottleneck."""
+    (row x column scale); the 256-column tiles the same per 128x128x128 of work, in fewer
+    instructions. More instructions here is a regression of the promotion, the kernel's
+    bottleneck."""
     pytest.importorskip("cutlass")
     if _nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
@@ -145,13 +146,17 @@ def test_promotion_instruction_mix(tmp_path):
     env = dict(os.environ, PATH=f"{os.path.dirname(_nvdisasm())}{os.pathsep}"
                f"{os.environ.get('PATH', '')}")
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "sass_mix.py"), "--configs",
-                          "m 1x32,m 32x32,m 1x128,k 1x128", "--json", str(out)], cwd=tmp_path,
+                          "m 1x32,m 32x32,m 1x128,k 1x128,m 1x128 wide,k 1x128 wide", "--json",
+                          str(out)], cwd=tmp_path,
                          env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     mix = json.loads(out.read_text())
     for name, ffma, fmul, budget in (("m 1x32", 256, 256, 640), ("m 32x32", 256, 0, 340),
-                                     ("m 1x128", 64, 0, 130), ("k 1x128", 64, 64, 200)):
+                                     ("m 1x128", 64, 0, 130), ("k 1x128", 64, 64, 200),
+                                     # 256-column tiles, per 128x128x128 of work (one half)
+                                     ("m 1x128 wide", 64, 0, 110),
+                                     ("k 1x128 wide", 64, 64, 190)):
         r = mix[name]
         assert (r["QGMMA"], r["FFMA"], r["FMUL"]) == (4, ffma, fmul), (name, r)
         assert r["instrs"] <= budget and r["spills"] == 0, (name, r)
