@@ -194,6 +194,10 @@ def _worker(rank: int, ws: int, port: int, seed: int, pg_backend: str = "gloo") 
     _init(rank, ws, port, pg_backend)
     try:
         _run_all(rank, ws, seed, DEVICE[pg_backend])
+        # every rank done communicating before any tears its group down: a rank that destroys
+        # its gloo group (and exits) while a peer's transport threads still talk to it aborted
+        # the peer at exit ("terminate called without an active exception", seen under load)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
