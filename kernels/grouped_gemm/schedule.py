@@ -107,9 +107,10 @@ class GroupedTileSchedule:
         fit in L2 (docs/NOTES.md, "Wide tiles and banded raster")."""
         _, base, t0, t1, _ = cur
         local = unit - base
-        mt = local // self.tiles_x
-        nt = local % self.tiles_x
-        if cutlass.const_expr(self.band_m > 1):
+        if cutlass.const_expr(self.band_m == 1):
+            mt = local // self.tiles_x
+            nt = local % self.tiles_x
+        else:
             m_tiles = self.units_of_group(t1 - t0) // self.tiles_x
             gran = self.x_granule
             per_band = self.band_m * (self.tiles_x // gran)

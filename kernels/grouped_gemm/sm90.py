@@ -183,11 +183,15 @@ TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(GroupedGemmSm90Config)
                       if f.name not in ("mode", "n", "k", "out_dtype", "scale_blocks"))
 
 
+def output_columns(mode: str, n: int, k: int) -> int:
+    """The output tiles' fast axis: M-grouped N, K-grouped K (per group)."""
+    return n if mode == MODE_M else k
+
+
 def can_cluster(mode: str, n: int, k: int, cluster_n: int, tile_n: int = TILE_N) -> bool:
-    """Whether output tiles along the fast axis (M-grouped: N, K-grouped: K) pair up evenly
-    into clusters of ``cluster_n`` CTAs (the cluster's CTAs must share every tile's A rows)."""
-    x_extent = n if mode == MODE_M else k
-    return -(-x_extent // tile_n) % cluster_n == 0
+    """Whether output tiles along the fast axis pair up evenly into clusters of ``cluster_n``
+    CTAs (the cluster's CTAs must share every tile's A rows)."""
+    return -(-output_columns(mode, n, k) // tile_n) % cluster_n == 0
 
 
 class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmBase):
@@ -236,7 +240,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmBase):
         K-grouped, 2-CTA clusters where the tiles pair up; then ``tuning``'s overrides
         (benchmarks)."""
         k128 = problem.scale_blocks == "1x128"
-        wide = k128 and (problem.n if problem.mode == MODE_M else problem.k) > TILE_N
+        wide = k128 and output_columns(problem.mode, problem.n, problem.k) > TILE_N
         fields = dict(cluster_n=2 if problem.mode != MODE_M and k128 else 1,
                       tile_n=TILE_NS[1] if wide else TILE_N,
                       band_m=RASTER_BAND if k128 else 1)
@@ -461,14 +465,11 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmBase):
 
     @cute.jit
     def cluster_unit(self, p: Int32, rank: Int32) -> Int32:
-        """Cluster step ``p`` -> the work unit of CTA ``rank``: units ``cl * j + rank`` along x
-        (fastest) of the same group and m-tile, i.e. the same A rows."""
-        t = p
-        if cutlass.const_expr(self.cfg.cluster_n > 1):
-            cl = self.cfg.cluster_n
-            per_x = self.sched.tiles_x // cl
-            t = (p // per_x) * self.sched.tiles_x + (p % per_x) * cl + rank
-        return t
+        """Cluster step ``p`` -> the work unit of CTA ``rank``: unit ``cl * p + rank``. The
+        schedule keeps each run of ``cl`` units (its x-granule) on adjacent x tiles of one row
+        of tiles, i.e. the same A rows, the tiles along x being a multiple of ``cl``
+        (`can_cluster`)."""
+        return p * self.cfg.cluster_n + rank
 
     @cute.jit
     def tile_args(self, unit: Int32, cur):
@@ -483,8 +484,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmBase):
         a_tile0, b_tile0, b_step = self.sched.scale_tiles(mt, nt, Int32(0), cur)
         b_tile1 = Int32(-1)
         if cutlass.const_expr(self.halves == 2):
-            x_extent = self.cfg.n if self.is_m else self.cfg.k  # output columns
-            if nt * self.tile_n + TILE_N < x_extent:
+            if nt * self.tile_n + TILE_N < output_columns(self.mode, self.cfg.n, self.cfg.k):
                 b_tile1 = b_tile0 + b_step
         k_tiles = self.sched.k_tiles(cur)
         row0 = t0

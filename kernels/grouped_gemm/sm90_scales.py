@@ -89,9 +89,7 @@ class Sm90ScaleWarps:
                      wb: cute.Tensor, slot: cutlass.Constexpr[int], stage: Int32, lane: Int32):
         """1x32: row scales at ``pos_a(r)``, column scales at ``pos_b(c)`` (fp32)."""
         for w in cutlass.range_constexpr(4):
-            r = lane + 32 * w
-            pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
-            pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
+            pos_a, pos_b = _scale_positions(lane + 32 * w)
             for c in cutlass.range_constexpr(BLOCKS_PER_KTILE):
                 sSFA[pos_a, c, stage] = _e8m0_to_f32((wa[w, slot] >> (8 * c)) & 0xFF)
                 sSFB[pos_b, c, stage] = _e8m0_to_f32((wb[w, slot] >> (8 * c)) & 0xFF)
@@ -111,9 +109,9 @@ class Sm90ScaleWarps:
         ``h`` of a 256-column tile); otherwise row scales at ``pos_a(r)`` and column scales at
         ``pos_b(c)`` as in 1x32 mode (slot ``h``: B tile ``h``).
         """
-        bt = cute.make_rmem_tensor((self.halves,), Float32)
-        bt.fill(1.0)
+        bt = None  # 128x128 weight tiles: each B tile's scale
         if cutlass.const_expr(self.weights_128x128):
+            bt = cute.make_rmem_tensor((self.halves,), Float32)
             for h in cutlass.range_constexpr(self.halves):
                 ref = cute.arch.shuffle_sync(wb[4 * h, slot], 0) & 0xFF
                 bad = Int32(0)
@@ -126,8 +124,7 @@ class Sm90ScaleWarps:
                     tile_byte = Int32(E8M0_NAN)
                 bt[h] = _e8m0_to_f32(tile_byte)
         for w in cutlass.range_constexpr(4):
-            r = lane + 32 * w
-            pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
+            pos_a, pos_b = _scale_positions(lane + 32 * w)
             sa = _e8m0_to_f32(_block128_byte(wa[w, slot]))
             if cutlass.const_expr(self.weights_128x128):
                 for h in cutlass.range_constexpr(self.halves):
@@ -135,7 +132,6 @@ class Sm90ScaleWarps:
             else:
                 # slot h: the row scales (repeated, so that `load_scales` reads one slot) and
                 # the column scales of B tile h
-                pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
                 for h in cutlass.range_constexpr(self.halves):
                     sSFA[pos_a, h, stage] = sa
                     sSFB[pos_b, h, stage] = _e8m0_to_f32(_block128_byte(wb[4 * h + w, slot]))
@@ -224,6 +220,15 @@ class Sm90ScaleWarps:
                 regs.store(sb.load())
                 sb = regs
         return sa0, sa1, sb
+
+
+def _scale_positions(r):
+    """Row / column ``r`` of a packed scale tile -> its fp32 slot in a stage's row scales
+    (``pos_a``: a consumer thread's two rows r, r + 8 adjacent) and column scales (``pos_b``:
+    a thread's 32 columns contiguous, see `scale_producer`)."""
+    pos_a = (((r // 64) * 4 + (r % 64) // 16) * 8 + r % 8) * 2 + (r % 16) // 8
+    pos_b = ((r % 8) // 2) * SFB_Q_STRIDE + (r // 8) * 2 + r % 2
+    return pos_a, pos_b
 
 
 @cute.jit
