@@ -13,6 +13,9 @@ entry (the old one is simply no longer read; `clear` removes them all). Per entr
 
 * ``<digest>.json``: the full key text, the object file's name and SHA-256 (the commit point);
 * ``<digest>-<sha>.o``: the object file, named by its content;
+* ``<digest>-<sha>.so``: the same object linked into a shared library (`native.link_shared`),
+  which later processes call through ``ctypes`` without importing CuTeDSL (`native.NativeKernel`;
+  without a C compiler the entry has none and loads through CuTeDSL);
 * ``<digest>.lock``: ``flock``-ed while one process builds, so concurrent processes compile a
   kernel once and the others load it.
 
@@ -20,6 +23,11 @@ Files are written to a temporary name and ``os.replace``-d (readers never see a 
 An entry that fails any check (unreadable JSON, another key, missing object, checksum, loader
 error) is ignored, removed and rebuilt. The cache is bypassed while CuTeDSL is asked for
 compile artifacts (``CUTE_DSL_KEEP`` and friends), which a loaded entry cannot produce.
+
+`CompileCache` is the in-process layer above the entries: one per kernel family, keyed by
+one hashable object. Kernels it returns take the launch arguments of `native` (`native.Ptr`,
+ints, `native.Stream`), whether they were compiled in this process, loaded through CuTeDSL or
+loaded natively.
 
 This module imports no CuTeDSL at import time (its logic is tested without it).
 """
@@ -33,12 +41,17 @@ import json
 import os
 import platform
 import tempfile
+import threading
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
+
+from . import native
 
 ENV_DIR = "MOE_MXFP8_CACHE_DIR"
 ENV_DISABLE = "MOE_MXFP8_DISABLE_CACHE"
+ENV_NATIVE = "MOE_MXFP8_NATIVE_LAUNCH"
 SUBDIR = "kernels-v1"  # bump when the entry format changes
 # CuTeDSL settings that change the generated code (the DSL's own ``affects_compile`` list)
 COMPILE_ENV = (
@@ -56,6 +69,24 @@ FALSE_WORDS = ("", "0", "false", "no", "off")
 FILE_MODE = 0o644
 
 _warned: set[str] = set()
+
+
+# Archs the kernels are built for; CUTE_DSL_ARCH overrides (compile without a GPU).
+ARCH_BY_BACKEND = {"sm90": "sm_90a", "sm100": "sm_100a"}
+ARCH_ENV = "CUTE_DSL_ARCH"
+
+
+def target_arch() -> str:
+    """The arch string kernels compile for: ``$CUTE_DSL_ARCH``, else the current GPU's."""
+    env = os.environ.get(ARCH_ENV)
+    if env:
+        return env
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}a"
+    return "sm_100a"  # the DSL's own default without a GPU
 
 
 def _warn_once(msg: str) -> None:
@@ -130,6 +161,26 @@ def _load_cutedsl(path: Path, prefix: str):
     return load_module(str(path))[prefix]
 
 
+def _native_facts(fn) -> dict:
+    """What `native.NativeKernel` needs besides the library: the exported function's name and
+    CuTeDSL's runtime library (read from the compiling process, which imported CuTeDSL)."""
+    from cutlass.runtime import find_runtime_libraries
+
+    libs = [p for p in find_runtime_libraries(enable_tvm_ffi=False)
+            if p.endswith(native.RUNTIME_LIB)]
+    name = getattr(fn, "function_name", None)
+    if not libs or not name:
+        return {}
+    return {"function": name, "runtime": libs[0]}
+
+
+def _load_native(path: Path, prefix: str, meta: dict):
+    runtime = meta["runtime"] if Path(meta["runtime"]).is_file() else native.runtime_library()
+    if runtime is None:
+        raise FileNotFoundError(native.RUNTIME_LIB)
+    return native.NativeKernel(path, prefix, meta["function"], runtime)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -171,6 +222,8 @@ class Entry:
 
     def __init__(self, root: Path, name: str, text: str,
                  dump: Callable | None = None, load: Callable | None = None) -> None:
+        # the native (ctypes) form exists for CuTeDSL's own exporter only
+        self.native = dump is None and load is None
         self.text = text
         self.digest = hashlib.sha256(text.encode()).hexdigest()
         stem = f"{name}-{self.digest[:32]}"
@@ -214,6 +267,10 @@ class Entry:
             if not isinstance(meta, dict) or meta.get("key") != self.text:
                 raise ValueError("entry describes another key")
             obj = self.dir / meta["object"]
+            if self.native and meta.get("shared") and native_enabled():
+                fn = self._try_native(meta)
+                if fn is not None:
+                    return fn
             data = obj.read_bytes()
             if hashlib.sha256(data).hexdigest() != meta["sha256"]:
                 raise ValueError("object file checksum mismatch")
@@ -223,10 +280,23 @@ class Entry:
             return fn
         except Exception:  # noqa: BLE001  (any bad entry is rebuilt, never trusted)
             if discard:
-                for p in (self.meta, obj):
+                shared = meta.get("shared") if isinstance(meta, dict) else None
+                for p in (self.meta, obj, self.dir / shared if shared else None):
                     if p is not None:
                         with contextlib.suppress(OSError):
                             p.unlink()
+            return None
+
+    def _try_native(self, meta: dict):
+        """The native form of the entry, or None: a checksum mismatch or a loader error falls
+        back to CuTeDSL's loader of the object file (warned once), never to a wrong kernel."""
+        try:
+            lib = self.dir / meta["shared"]
+            if hashlib.sha256(lib.read_bytes()).hexdigest() != meta["shared_sha256"]:
+                raise ValueError("shared library checksum mismatch")
+            return _load_native(lib, self.prefix, meta)
+        except Exception as e:  # noqa: BLE001
+            _warn_once(f"native load failed ({type(e).__name__}: {e}); using CuTeDSL's loader")
             return None
 
     def store(self, fn) -> bool:
@@ -241,11 +311,64 @@ class Entry:
         meta = {"key": self.text, "object": obj.name, "sha256": sha, "bytes": len(data)}
         try:
             _write_atomic(obj, data)
+            if self.native:
+                meta.update(self._store_shared(fn, data, sha))
             _write_atomic(self.meta, json.dumps(meta, indent=1).encode())
         except OSError as e:
             _warn_once(f"cannot write to {self.dir} ({e})")
             return False
         return True
+
+    def _store_shared(self, fn, data: bytes, sha: str) -> dict:
+        """The shared-library form of the object (``{}`` when it cannot be made)."""
+        try:
+            facts = _native_facts(fn)
+        except Exception:  # noqa: BLE001  (no native form: CuTeDSL's loader still works)
+            return {}
+        lib = self.dir / f"{self.stem}-{sha[:16]}.so"
+        if not facts or not native.link_shared(data, lib):
+            return {}
+        lib_sha = hashlib.sha256(lib.read_bytes()).hexdigest()
+        return {"shared": lib.name, "shared_sha256": lib_sha, **facts}
+
+
+FACTS_FILE = "device-facts.json"
+
+
+def device_fact(name: str, compute: Callable[[], int]) -> int:
+    """A number about this machine's GPU that only changes with the hardware (``name`` says
+    which, e.g. the GPU's UUID): read from the cache directory, else ``compute()``-d and kept
+    there (while the cache is enabled)."""
+    if not enabled():
+        return compute()
+    d = cache_dir() / SUBDIR
+    path = d / FACTS_FILE
+    try:
+        facts = json.loads(path.read_text())
+        if isinstance(facts, dict) and isinstance(facts.get(name), int):
+            return facts[name]
+    except (OSError, ValueError):
+        pass
+    value = int(compute())
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with _file_lock(d / (FACTS_FILE + ".lock")):
+            try:
+                facts = json.loads(path.read_text())
+                facts = facts if isinstance(facts, dict) else {}
+            except (OSError, ValueError):
+                facts = {}
+            facts[name] = value
+            _write_atomic(path, json.dumps(facts, indent=1, sort_keys=True).encode())
+    except OSError as e:
+        _warn_once(f"cannot write to {d} ({e})")
+    return value
+
+
+def native_enabled() -> bool:
+    """Whether stored kernels are called through ``ctypes`` (``MOE_MXFP8_NATIVE_LAUNCH=0``: through
+    CuTeDSL's loader, as before)."""
+    return os.environ.get(ENV_NATIVE, "1").strip().lower() not in FALSE_WORDS
 
 
 def entry(name: str, key, **kw) -> Entry | None:
@@ -269,3 +392,81 @@ def clear(root: Path | None = None) -> int:
                 p.unlink()
                 n += 1
     return n
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process layer
+# ---------------------------------------------------------------------------------------------
+
+
+class CompileCache:
+    """Compiled kernels keyed by one hashable object (dtypes, config, arch, static sizes), kept
+    in this process and, through `entry`, on disk for the next process.
+
+    Never key on data values: token counts stay symbolic in the compiled code. ``name`` (the
+    kernel family) namespaces the on-disk entries; the key's ``repr`` must describe the compiled
+    code completely (frozen dataclasses, dtypes, strings and ints do). ``cute``: ``build``
+    returns a CuTeDSL compiled function, which is adapted to the launch arguments of `native`
+    (`native.CuteKernel`) unless it was loaded natively.
+    """
+
+    def __init__(self, name: str = "kernel", cute: bool = False) -> None:
+        self.name = name
+        self.cute = cute
+        self._fns: dict[Hashable, Callable] = {}
+        self._lock = threading.Lock()
+        # how each key was obtained in this process: ("compiled" | "loaded", seconds)
+        self.events: dict[Hashable, tuple[str, float]] = {}
+        _CACHES.append(self)
+
+    def get(self, key: Hashable, build: Callable[[], Callable], *, persist: bool = True):
+        """The compiled function for ``key``: from memory, else from the persistent cache, else
+        ``build()`` (which is then stored there). ``persist=False``: this process only."""
+        fn = self._fns.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._fns.get(key)
+                if fn is None:
+                    t0 = time.perf_counter()
+                    hook = _progress_hook[0]
+                    if hook is not None:
+                        hook("start", self.name, key)
+                    disk = entry(self.name, key) if persist else None
+                    if disk is None:
+                        fn, how = build(), "compiled"
+                    else:
+                        fn, how = disk.get_or_build(build)
+                    if self.cute and not isinstance(fn, native.NativeKernel):
+                        fn = native.CuteKernel(fn)
+                    sec = time.perf_counter() - t0
+                    self.events[key] = (how, sec)
+                    self._fns[key] = fn
+                    if hook is not None:
+                        hook(how, self.name, key, sec)
+        return fn
+
+    def clear(self) -> None:
+        """Forget this process's compiled functions (the on-disk entries stay)."""
+        with self._lock:
+            self._fns.clear()
+            self.events.clear()
+
+    def __len__(self) -> int:
+        return len(self._fns)
+
+
+_CACHES: list[CompileCache] = []
+# called as hook("start", name, key) before a kernel is loaded or compiled and as
+# hook("compiled" | "loaded", name, key, seconds) after (`moe_mxfp8.precompile`'s progress line)
+_progress_hook: list[Callable | None] = [None]
+
+
+def set_progress_hook(hook: Callable | None) -> Callable | None:
+    """Install ``hook`` (None: none); returns the previous one."""
+    prev, _progress_hook[0] = _progress_hook[0], hook
+    return prev
+
+
+def compile_events() -> list[tuple[str, Hashable, str, float]]:
+    """Every kernel this process obtained: (cache name, key, "compiled" | "loaded", seconds)."""
+    return [(c.name, k, how, sec) for c in _CACHES for k, (how, sec) in list(c.events.items())]

@@ -1,5 +1,9 @@
 """MXFP8 quantizer kernels (CuTeDSL): rowwise, columnwise, dual and expert weights.
 
+The kernel classes and `build_quantizer` (their compile); the configuration is in
+`quantize_config`, the compile cache and entry points in `quantize_launch` (no CuTeDSL: a
+process whose kernels load from the compile cache never imports this file).
+
 Bit-exact with the pure-PyTorch reference next to the public entry points
 (`moe_mxfp8.reference`, called by `moe_mxfp8.quantize`; the contract is ``docs/numerics.md``).
 Scales are written straight into the packed (tcgen05) layout, pad bytes included, so no memset
@@ -58,8 +62,6 @@ reference's clamp-then-cast.
 
 from __future__ import annotations
 
-import dataclasses
-
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -68,7 +70,8 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import AddressSpace
 
 from . import mx_format as F
-from .common import TORCH_TO_CUTLASS, CompileCache, current_stream, target_arch
+from .common import TORCH_TO_CUTLASS
+from .native import current_stream
 from .ptx import (
     cvt_e4m3x4,
     f16_to_f32_bits,
@@ -83,17 +86,19 @@ from .ptx import (
     st_shared,
     st_shared_pred,
 )
+from .quantize_config import (
+    ACT_BLOCKS,
+    ELEM_BYTES,
+    TILE_BLOCK_ROWS,
+    TILE_FEATURES,
+    TILE_TOKENS,
+    TORCH_DTYPES,
+    VEC_BYTES,
+    QuantConfig,
+)
 
-TILE_TOKENS = F.TILE_ROWS  # tokens per CTA tile = rows of one packed scale tile
-TILE_FEATURES = F.TILE_BLOCKS * F.BLOCK_SIZE  # features per CTA tile = one packed 4-block column
 THREADS = 256
-VEC_BYTES = 16  # one ld.global.v4 / st.global.v4
 STAGE_ROW_BYTES = TILE_TOKENS + 16  # transposed staging row, padded by 16 B against conflicts
-ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
-ACT_BLOCKS = tuple(sorted(set(F.ACT_BLOCK.values())))  # 32, 128
-TILE_BLOCK_ROWS = tuple(sorted(set(F.WEIGHT_BLOCK_ROWS.values())))  # 1, 32, 128
 SUBTILES = (TILE_TOKENS // F.BLOCK_SIZE) * F.TILE_BLOCKS  # 32x32 sub-tiles of a CTA tile: 16
 
 ABS_MASK = 0x7FFFFFFF
@@ -137,34 +142,6 @@ def replicated_word(byte, n_blocks):
 # ---------------------------------------------------------------------------------------------
 # The tile kernel
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantConfig:
-    """Static configuration of one compiled quantizer (the compile-cache key with the arch).
-
-    dtype: input dtype name; rounding: "rceil" | "floor"; k: features (static; % 32 == 0
-    whenever blocks run along it: rows or 32x32 blocks; any k >= 1 for the columnwise output);
-    rows / cols: write the rowwise / columnwise output; grouping: "none" | "offs" (row groups
-    from device ``offs``) | "uniform" (groups of ``group_rows`` tokens: experts);
-    col_layout: "concat" (``x.T`` as ``(K, M)``) | "experts" (``(E, K, N)``);
-    block_rows: weights' scale tiles, 1 (1x32 blocks), 32 (32x32) or 128 (128x128);
-    col_aligned: every colwise output segment starts on 16 bytes (no offs, tokens per group
-    % 16 == 0) -> 16-byte stores instead of shifted words; act_block: activations' block length
-    along the reduced axis, 32 (MXFP8) or 128 (the 1x128 recipe; rows and columns alike).
-    """
-
-    dtype: str
-    rounding: str
-    k: int
-    rows: bool
-    cols: bool
-    grouping: str = "none"
-    group_rows: int = 0
-    col_layout: str = "concat"
-    block_rows: int = 1
-    col_aligned: bool = False
-    act_block: int = F.BLOCK_SIZE
 
 
 class TileQuantizer:
@@ -652,185 +629,21 @@ KERNEL_CLASSES = {
     "quantize_weights": WeightQuantizer,
 }
 
-_cache = CompileCache("quantize")
 
-
-def _gmem_ptr(dtype, addr: int):
-    return make_ptr(dtype, addr, AddressSpace.gmem, assumed_align=16)
-
-
-def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None):
-    """Compile (cached per op, config and arch) and return the callable; M stays symbolic."""
-    arch = arch or target_arch()
-
-    def build():
-        kern = KERNEL_CLASSES[op](config)
-        why = kern.can_implement()
-        if why:
-            raise ValueError(f"moe_mxfp8 {op}: {why}")
-        in_t = TORCH_TO_CUTLASS[TORCH_DTYPES[config.dtype]]
-        f8, u8, i32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32
-        args = [_gmem_ptr(t, 0) for t in (in_t, f8, u8, f8, u8, i32, i32)]
-        stream = current_stream() if torch.cuda.is_available() else cute.runtime.make_fake_stream()
-        return cute.compile(kern, *args, Int32(1), Int32(1), Int32(1), Int32(1), stream)
-
-    return _cache.get((op, config, arch), build)
-
-
-# ---------------------------------------------------------------------------------------------
-# Entry points (called by moe_mxfp8.quantize after its argument checks: x is a contiguous,
-# 16-byte aligned CUDA tensor of a supported dtype, offs a dense int32 array on its device)
-# ---------------------------------------------------------------------------------------------
-
-
-def _group_tables(offs: torch.Tensor | None, m: int):
-    """(number of groups, int32 cumulative tile ends on the device, search steps, tiles bound).
-
-    Only device ops on ``offs``: nothing reads its values on the host.
-    """
-    if offs is None:
-        return 1, None, 0, F.ceil_div(m, F.TILE_ROWS)
-    o = offs.to(torch.int32)
-    sizes = torch.diff(o, prepend=o.new_zeros(1))
-    tile_ends = torch.cumsum((sizes + (F.TILE_ROWS - 1)) // F.TILE_ROWS, 0, dtype=torch.int32)
-    g = offs.numel()
-    return g, tile_ends, g.bit_length(), F.grouped_row_tiles_bound(m, g)
-
-
-def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, steps,
-            n_vtiles):
-    ctas = n_vtiles * F.ceil_div(config.k, TILE_FEATURES)
-    if ctas == 0:  # no tokens and no pad tiles, or K == 0: every output is empty
-        return
-    if ctas > F.MAX_EXTENT:
-        raise ValueError(f"moe_mxfp8 {op}: {ctas} tiles exceed the grid limit (2^31 - 1)")
-    fn = compile_quantizer(op, config)
-    dummy = x.data_ptr()
-
-    def p(t, dt):
-        return _gmem_ptr(dt, t.data_ptr() if t is not None else dummy)
-
-    in_t = TORCH_TO_CUTLASS[x.dtype]
+def build_quantizer(op: str, config: QuantConfig):
+    """Compile ``op``'s kernel for ``config`` (`quantize_launch.compile_quantizer` caches it)."""
+    kern = KERNEL_CLASSES[op](config)
+    why = kern.can_implement()
+    if why:
+        raise ValueError(f"moe_mxfp8 {op}: {why}")
+    in_t = TORCH_TO_CUTLASS[TORCH_DTYPES[config.dtype]]
     f8, u8, i32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32
-    fn(p(x, in_t), p(q_row, f8), p(s_row, u8), p(q_col, f8), p(s_col, u8), p(offs, i32),
-       p(tile_ends, i32), Int32(m), Int32(n_groups), Int32(steps), Int32(n_vtiles),
-       current_stream())
+    args = [make_ptr(t, 0, AddressSpace.gmem, assumed_align=16)
+            for t in (in_t, f8, u8, f8, u8, i32, i32)]
+    if torch.cuda.is_available():
+        import cuda.bindings.driver as cuda
 
-
-def _buffer(out, name, shape, dtype, device):
-    """``out[name]`` (a preallocated buffer, tests poison them) or a fresh one."""
-    t = None if out is None else out.get(name)
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
-        raise ValueError(f"out[{name!r}] must be a contiguous {dtype} tensor of shape {shape}")
-    return t
-
-
-def _alloc_outputs(x, offs, rows: bool, cols: bool, out=None):
-    """Row data/scales and col data/scales, by name."""
-    m, k = x.shape
-    g = 1 if offs is None else offs.numel()
-    nb = k // F.BLOCK_SIZE
-    res = {}
-    if rows:
-        res["q_row"] = _buffer(out, "q_row", (m, k), torch.float8_e4m3fn, x.device)
-        nbytes = (F.packed_scale_bytes(m, nb) if offs is None
-                  else F.grouped_rows_scale_bytes(m, nb, g))
-        res["s_row"] = _buffer(out, "s_row", (nbytes,), torch.uint8, x.device)
-    if cols:
-        res["q_col"] = _buffer(out, "q_col", (k, m), torch.float8_e4m3fn, x.device)
-        nbytes = (F.packed_scale_bytes(k, F.ceil_div(m, F.BLOCK_SIZE)) if offs is None
-                  else F.grouped_k_scale_bytes(k, m, g))
-        res["s_col"] = _buffer(out, "s_col", (nbytes,), torch.uint8, x.device)
-    return res
-
-
-def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out):
-    m, k = x.shape
-    n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m)
-    bufs = _alloc_outputs(x, offs, rows, cols, out)
-    config = QuantConfig(
-        dtype=DTYPE_NAMES[x.dtype], rounding=rounding, k=k, rows=rows, cols=cols,
-        grouping="offs" if offs is not None else "none",
-        col_aligned=cols and offs is None and m % VEC_BYTES == 0, act_block=act_block,
-    )
-    _launch(op, config, x, bufs.get("q_row"), bufs.get("s_row"), bufs.get("q_col"),
-            bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles)
-    res = []
-    if rows:
-        res.append((bufs["q_row"], bufs["s_row"]))
-    if cols:
-        res.append((bufs["q_col"], bufs["s_col"]))
-    return res
-
-
-def quantize_rowwise(x: torch.Tensor, *, rounding: str = "rceil",
-                     offs: torch.Tensor | None = None, act_block: int = F.BLOCK_SIZE,
-                     out: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x (M, K)`` -> (e4m3 ``(M, K)``, packed scales); row groups from device ``offs``;
-    ``act_block`` 32 or 128 elements per scale along K."""
-    return _activation_quant("quantize_rowwise", x, rounding, offs, act_block, True, False,
-                             out)[0]
-
-
-def quantize_colwise(x: torch.Tensor, *, rounding: str = "rceil",
-                     offs: torch.Tensor | None = None, act_block: int = F.BLOCK_SIZE,
-                     out: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x (M, K)`` -> (e4m3 ``x.T (K, M)``, packed scales); with ``offs``, blocks restart at
-    each group start (the "k" layout)."""
-    return _activation_quant("quantize_colwise", x, rounding, offs, act_block, False, True,
-                             out)[0]
-
-
-def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
-                  offs: torch.Tensor | None = None, act_block: int = F.BLOCK_SIZE,
-                  out: dict | None = None):
-    """One read of ``x``: ((rowwise data, scales), (columnwise data, scales))."""
-    row, col = _activation_quant("quantize_dual", x, rounding, offs, act_block, True, True, out)
-    return row, col
-
-
-def _weight_operand(out: dict | None, names: tuple[str, str], w: torch.Tensor, axis: str):
-    """One GEMM operand of expert weights ``w (E, N, K)``: e4m3 ``(E, N, K)`` (axis K) or
-    ``(E, K, N)`` (axis N) and its packed scales, from ``out[names]`` or fresh."""
-    e, n, k = w.shape
-    rows, last = (n, k) if axis == "K" else (k, n)
-    q = _buffer(out, names[0], (e, rows, last), torch.float8_e4m3fn, w.device)
-    s = _buffer(out, names[1], (e * F.expert_scale_stride(rows, last // F.BLOCK_SIZE),),
-                torch.uint8, w.device)
-    return q, s
-
-
-def _launch_weights(w: torch.Tensor, rounding: str, block_rows: int, along_k, along_n) -> None:
-    """The weight quantizer over ``w (E, N, K)`` viewed as ``(E*N, K)`` in groups of N: writes
-    ``along_k`` and/or ``along_n`` (each a `_weight_operand` pair, or None) from one read."""
-    e, n, k = w.shape
-    config = QuantConfig(
-        dtype=DTYPE_NAMES[w.dtype], rounding=rounding, k=k, rows=along_k is not None,
-        cols=along_n is not None, grouping="uniform", group_rows=n, col_layout="experts",
-        block_rows=block_rows, col_aligned=n % VEC_BYTES == 0,
-    )
-    _launch("quantize_weights", config, w.view(e * n, k), *(along_k or (None, None)),
-            *(along_n or (None, None)), None, None, e * n, e, 0, e * F.ceil_div(n, F.TILE_ROWS))
-
-
-def quantize_weights_dual(w: torch.Tensor, *, rounding: str = "rceil", block_rows: int = 1,
-                          out: dict | None = None):
-    """Expert weights ``(E, N, K)``, one read -> ((e4m3 ``(E, N, K)``, packed scales) along K,
-    (e4m3 ``(E, K, N)``, packed scales) along N): `quantize_weights`' two axes at once."""
-    along_k = _weight_operand(out, ("qk", "sk"), w, "K")
-    along_n = _weight_operand(out, ("qn", "sn"), w, "N")
-    _launch_weights(w, rounding, block_rows, along_k, along_n)
-    return along_k, along_n
-
-
-def quantize_weights(w: torch.Tensor, *, axis: str = "K", rounding: str = "rceil",
-                     block_rows: int = 1, out: dict | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert weights ``(E, N, K)`` -> (e4m3 ``(E, N, K)`` (axis K) or ``(E, K, N)`` (axis N),
-    packed scales, one matrix per expert); ``block_rows`` 1, 32 or 128 (scale tiles)."""
-    operand = _weight_operand(out, ("q", "s"), w, axis)
-    _launch_weights(w, rounding, block_rows, operand if axis == "K" else None,
-                    operand if axis == "N" else None)
-    return operand
+        stream = cuda.CUstream(current_stream().handle)
+    else:
+        stream = cute.runtime.make_fake_stream()
+    return cute.compile(kern, *args, Int32(1), Int32(1), Int32(1), Int32(1), stream)

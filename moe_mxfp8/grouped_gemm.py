@@ -7,9 +7,10 @@
   along M with per-group blocks -> ``(E, N, K)``.
 
 Operands are checked once, by `kernels.grouped_gemm.problem` (every backend accepts the same
-domain); the kernels run through `kernels.grouped_gemm.launcher` with the arch's kernel class,
-imported here explicitly. Kernels that no GPU of this project has run check themselves against
-the reference on first use (`selfcheck`). Nothing here synchronises with the host.
+domain); the kernels run through `kernels.grouped_gemm.launcher` with the arch's host class,
+imported here explicitly (the launcher imports CuTeDSL only to compile). Kernels that no GPU
+of this project has run check themselves against the reference on first use (`selfcheck`).
+Nothing here synchronises with the host.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from .kernels.grouped_gemm import problem
 from .mx_tensor import MXFP8Tensor
 
 
-def _kernel_class(backend: str):
-    """The grouped GEMM kernel class of a kernel backend (imports CuTeDSL)."""
+def _host_class(backend: str):
+    """The grouped GEMM host class of a kernel backend (no CuTeDSL import: the launcher
+    imports the kernel class only where it compiles one)."""
     if backend == "sm90":
-        from .kernels.grouped_gemm.sm90 import GroupedGemmSm90
+        from .kernels.grouped_gemm.sm90_config import GroupedGemmSm90Host
 
-        return GroupedGemmSm90
-    from .kernels.grouped_gemm.sm100 import GroupedGemmSm100
+        return GroupedGemmSm90Host
+    from .kernels.grouped_gemm.sm100_config import GroupedGemmSm100Host
 
-    return GroupedGemmSm100
+    return GroupedGemmSm100Host
 
 
 def _check_types(a, b) -> None:
@@ -46,7 +48,7 @@ def run_kernel(backend: str, prob: problem.GroupedProblem, a: MXFP8Tensor, b: MX
     from . import selfcheck
     from .kernels.grouped_gemm import launcher
 
-    return launcher.run(_kernel_class(backend), prob, a, b, offs,
+    return launcher.run(_host_class(backend), prob, a, b, offs,
                         first_use=selfcheck.verify_on_first_use, **launch)
 
 

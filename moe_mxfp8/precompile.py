@@ -162,13 +162,13 @@ def precompile(model_or_shapes, tokens: int | Iterable[int] = DEFAULT_TOKENS, *,
     if not todo:
         return summary
 
-    from .kernels import common, compile_cache
+    from .kernels import compile_cache
 
     if compile_cache.enabled():
         summary["cache_dir"] = str(compile_cache.cache_dir())
     show = _Progress(stream if stream is not None else sys.stderr, progress)
-    before = {(n, k) for n, k, _, _ in common.compile_events()}
-    prev = common.set_progress_hook(show.hook)
+    before = {(n, k) for n, k, _, _ in compile_cache.compile_events()}
+    prev = compile_cache.set_progress_hook(show.hook)
     t0 = time.perf_counter()
     try:
         for layer in todo:
@@ -176,9 +176,9 @@ def precompile(model_or_shapes, tokens: int | Iterable[int] = DEFAULT_TOKENS, *,
                 warm_layer(layer, t)
         torch.cuda.synchronize()
     finally:
-        common.set_progress_hook(prev)
+        compile_cache.set_progress_hook(prev)
     summary["seconds"] = time.perf_counter() - t0
-    for name, key, how, _ in common.compile_events():
+    for name, key, how, _ in compile_cache.compile_events():
         if (name, key) not in before:
             summary["kernels"] += 1
             summary[how] += 1

@@ -69,11 +69,12 @@ def _colwise_ref(x: torch.Tensor, rounding: str, scale_layout: str, offs,
 
 
 def _kernel_module():
-    """The quantizer kernels, `kernels/quantize.py` (one SIMT source for the sm90 and sm100
-    backends). Imported here, on first use, so that CuTeDSL loads only when a kernel runs."""
-    from .kernels import quantize as kernel_quantize  # noqa: PLC0415
+    """The quantizer kernels' entry points, `kernels/quantize_launch.py` (one SIMT source for
+    the sm90 and sm100 backends). They import CuTeDSL only to compile a kernel: one loaded from
+    the compile cache launches without it."""
+    from .kernels import quantize_launch  # noqa: PLC0415
 
-    return kernel_quantize
+    return quantize_launch
 
 
 def _to_dense(t: MXFP8Tensor) -> MXFP8Tensor:

@@ -1,5 +1,5 @@
-"""The persistent compiled-kernel cache (kernels/compile_cache.py, `CompileCache` in
-kernels/common.py) and `moe_mxfp8.precompile`.
+"""The persistent compiled-kernel cache (kernels/compile_cache.py, its native launch in
+kernels/native.py) and `moe_mxfp8.precompile`.
 
 CPU: keying, location and switches, atomic writes, concurrent processes (one build, the others
 load), invalidation, corrupted entries (ignored and rebuilt) -- with a stand-in exporter so they
@@ -137,29 +137,27 @@ def test_location_and_switches(tmp_path, monkeypatch):
 
 
 def test_compile_cache_memo_bypass_and_hook(cache_env, monkeypatch):
-    from moe_mxfp8.kernels import common
-
     monkeypatch.setattr(CC, "_dump_cutedsl", fake_dump)
     monkeypatch.setattr(CC, "_load_cutedsl", fake_load)
     calls = []
-    prev = common.set_progress_hook(lambda *a: calls.append(a[0]))
+    prev = CC.set_progress_hook(lambda *a: calls.append(a[0]))
     try:
-        c = common.CompileCache("test_family")
+        c = CC.CompileCache("test_family")
         assert c.get(("a", 1), lambda: "A") == "A"
         assert c.get(("a", 1), lambda: pytest.fail("rebuilt an in-memory kernel")) == "A"
         assert c.events[("a", 1)][0] == "compiled"
-        c2 = common.CompileCache("test_family")  # a "new process": same family, empty memory
+        c2 = CC.CompileCache("test_family")  # a "new process": same family, empty memory
         assert c2.get(("a", 1), lambda: pytest.fail("rebuilt a stored kernel")) == "A"
         assert c2.events[("a", 1)][0] == "loaded"
-        c3 = common.CompileCache("test_family")
+        c3 = CC.CompileCache("test_family")
         assert c3.get(("a", 1), lambda: "fresh", persist=False) == "fresh"
         assert calls == ["start", "compiled", "start", "loaded", "start", "compiled"]
         assert ("test_family", ("a", 1), "loaded", c2.events[("a", 1)][1]) in \
-            common.compile_events()
+            CC.compile_events()
     finally:
-        common.set_progress_hook(prev)
+        CC.set_progress_hook(prev)
         for c_ in (c, c2, c3):
-            common._CACHES.remove(c_)
+            CC._CACHES.remove(c_)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,19 +284,20 @@ def test_concurrent_processes_build_once(cache_env, tmp_path):
 ROUND_TRIP = textwrap.dedent(
     """
     import json, sys
-    from moe_mxfp8.kernels import common, compile_cache, quantize as Q
+    from moe_mxfp8.kernels import compile_cache, quantize_launch as Q
     cfg = Q.QuantConfig("bfloat16", "rceil", 256, True, True, grouping="offs")
     fn = Q.compile_quantizer("quantize_dual", cfg)
-    (name, key, how, sec), = common.compile_events()
+    (name, key, how, sec), = compile_cache.compile_events()
+    info = getattr(fn, "kernel_info", None) if type(fn).__name__ != "NativeKernel" else None
     print(json.dumps({"how": how, "sec": sec, "type": type(fn).__name__,
-                      "src": compile_cache.source_digest(),
-                      "kernels": sorted(fn.kernel_info) if fn.kernel_info else None}))
+                      "src": compile_cache.source_digest(), "cutlass": "cutlass" in sys.modules,
+                      "kernels": sorted(info) if info else None}))
     """
 )
 
 
-def _round_trip(cache: Path, arch: str) -> dict:
-    env = _env(CUTE_DSL_ARCH=arch)
+def _round_trip(cache: Path, arch: str, **extra) -> dict:
+    env = _env(CUTE_DSL_ARCH=arch, **extra)
     env[CC.ENV_DIR] = str(cache)
     env.pop(CC.ENV_DISABLE, None)
     for v in CC.ARTIFACT_ENV:
@@ -316,13 +315,93 @@ def test_cutedsl_round_trip_sm90a(tmp_path):
     second = _round_trip(cache, "sm_90a")
     assert second["src"] == first["src"], "kernel sources were edited between the two runs"
     assert first["how"] == "compiled" and second["how"] == "loaded"
-    assert second["type"] == first["type"]
-    assert second["kernels"] == first["kernels"] and first["kernels"]  # same device kernel
+    assert first["type"] == "CuteKernel" and first["kernels"]
+    # loaded as a shared library through ctypes: its symbols resolve against CuTeDSL's runtime
+    # library, and the loading process never imports CuTeDSL
+    assert second["type"] == "NativeKernel" and not second["cutlass"], second
     assert second["sec"] < 0.5 * first["sec"]
+    # with the native launch turned off, CuTeDSL's loader reads the same entry
+    third = _round_trip(cache, "sm_90a", **{CC.ENV_NATIVE: "0"})
+    assert third["how"] == "loaded" and third["type"] == "CuteKernel"
+    assert third["kernels"] == first["kernels"]  # the same device kernel
     # another arch is another key: compiled, not the sm_90a object
     assert _round_trip(cache, "sm_100a")["how"] == "compiled"
     objs = list((cache / CC.SUBDIR).glob("quantize-*.o"))
     assert len(objs) == 2
+    libs = list((cache / CC.SUBDIR).glob("quantize-*.so"))
+    assert len(libs) == 2
+
+
+def test_link_shared_refuses_what_it_cannot_link(tmp_path, monkeypatch):
+    from moe_mxfp8.kernels import native
+
+    assert not native.link_shared(b"not an object file", tmp_path / "a.so")
+    assert not (tmp_path / "a.so").exists()
+    monkeypatch.setattr(native, "c_compiler", lambda: None)  # no C compiler on the machine
+    assert not native.link_shared(native.ELF_MAGIC + b"\0" * 60, tmp_path / "b.so")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_launch_path_imports_no_cutedsl():
+    """Everything a launch of a cached kernel runs -- the API, the host classes, the launchers,
+    the compile cache and the native loader -- imports without CuTeDSL; the kernel classes
+    (compiles) are the only importers."""
+    code = textwrap.dedent("""
+        import sys
+        import moe_mxfp8
+        from moe_mxfp8 import grouped_gemm, quantize
+        from moe_mxfp8.kernels import compile_cache, native, quantize_launch
+        from moe_mxfp8.kernels.grouped_gemm import launcher, sm90_config, sm100_config
+        assert grouped_gemm._host_class("sm90") is sm90_config.GroupedGemmSm90Host
+        assert quantize._kernel_module() is quantize_launch
+        print("cutlass imported:", "cutlass" in sys.modules)
+        from moe_mxfp8.kernels.grouped_gemm import sm90
+        print("after the kernel class:", "cutlass" in sys.modules)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "cutlass imported: False" in res.stdout
+    assert "after the kernel class: True" in res.stdout
+
+
+def test_host_decisions_are_the_kernel_class_decisions():
+    """The launcher decides with the arch's host class; the kernel class inherits the same
+    decisions (config choice, checks, grid bound), so a compiled and a loaded kernel launch
+    alike."""
+    from moe_mxfp8.kernels.grouped_gemm import launcher
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
+    from moe_mxfp8.kernels.grouped_gemm.sm90 import GroupedGemmSm90
+    from moe_mxfp8.kernels.grouped_gemm.sm90_config import GroupedGemmSm90Host
+
+    for mode, n, k, blocks in (("m", 4096, 7168, "1x128"), ("k", 2048, 7168, "1x128"),
+                               ("m", 160, 288, "1x32")):
+        prob = P.GroupedProblem(mode, 3000, n, k, 8, torch.bfloat16, blocks,
+                                torch.device("cpu"))
+        cfg = GroupedGemmSm90Host.select_config(prob)
+        assert GroupedGemmSm90.select_config(prob) == cfg
+        host, kern = GroupedGemmSm90Host(cfg), GroupedGemmSm90(cfg)
+        assert type(launcher._host(GroupedGemmSm90, cfg)) is GroupedGemmSm90Host
+        assert host.can_implement(prob) == kern.can_implement(prob)
+        assert host.cluster_size() == kern.cluster_size()
+        assert host.units_bound(3000, 8) == kern.units_bound(3000, 8)
+        assert host.tiles_x() == kern.sched.tiles_x  # the device walk's tiles along x
+
+
+def test_device_fact_is_computed_once_per_machine(cache_env):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return 66
+
+    assert CC.device_fact("max_active_clusters GPU-1 cluster=2", compute) == 66
+    assert CC.device_fact("max_active_clusters GPU-1 cluster=2", compute) == 66
+    assert calls == [1]  # the second answer came from the file
+    assert CC.device_fact("max_active_clusters GPU-2 cluster=2", lambda: 60) == 60
+    data = json.loads((cache_env / CC.SUBDIR / CC.FACTS_FILE).read_text())
+    assert data == {"max_active_clusters GPU-1 cluster=2": 66,
+                    "max_active_clusters GPU-2 cluster=2": 60}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,15 +426,13 @@ def test_precompile_warms_each_distinct_layer_once_per_token_count(monkeypatch, 
     warm-up obtains is counted (a stand-in warm-up compiles two fake kernels per call)."""
     import importlib
 
-    from moe_mxfp8.kernels import common
-
     # the module (``moe_mxfp8.precompile`` the attribute is the function)
     P = importlib.import_module("moe_mxfp8.precompile")
     monkeypatch.setattr(CC, "_dump_cutedsl", fake_dump)
     monkeypatch.setattr(CC, "_load_cutedsl", fake_load)
     monkeypatch.setattr(P, "resolve_backend", lambda backend, device: "sm90")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    fam = common.CompileCache("test_precompile")
+    fam = CC.CompileCache("test_precompile")
     warmed = []
 
     def fake_warm(layer, tokens):
@@ -376,7 +453,7 @@ def test_precompile_warms_each_distinct_layer_once_per_token_count(monkeypatch, 
         s = moe_mxfp8.precompile(model, tokens=8, progress=False)
         assert (s["kernels"], s["compiled"], s["loaded"]) == (4, 0, 4)
     finally:
-        common._CACHES.remove(fam)
+        CC._CACHES.remove(fam)
 
 
 def test_precompile_reference_layers_need_nothing():
@@ -449,7 +526,7 @@ GPU_RUN = textwrap.dedent(
     """
     import json, sys, time, torch
     import moe_mxfp8
-    from moe_mxfp8.kernels import common
+    from moe_mxfp8.kernels import compile_cache
     out_path = sys.argv[1]
     torch.manual_seed(1234)
     layer = moe_mxfp8.MXFP8MoE(256, 128, 8, 2, device="cuda")
@@ -461,8 +538,8 @@ GPU_RUN = textwrap.dedent(
     sec = time.perf_counter() - t0
     torch.save({"y": y.detach().cpu(), "dx": x.grad.cpu(),
                 "dw1": layer.w_gate_up.grad.cpu(), "dw2": layer.w_down.grad.cpu()}, out_path)
-    ev = [how for _, _, how, _ in common.compile_events()]
-    print(json.dumps({"sec": sec, "events": ev}))
+    ev = [how for _, _, how, _ in compile_cache.compile_events()]
+    print(json.dumps({"sec": sec, "events": ev, "cutlass": "cutlass" in sys.modules}))
     """
 )
 
@@ -483,6 +560,8 @@ def test_second_process_loads_without_retrace(tmp_path):
     first, second = runs
     assert first["events"] and set(first["events"]) == {"compiled"}
     assert second["events"] == ["loaded"] * len(first["events"])  # nothing traced again
+    # every kernel launched natively (a C compiler is on the machine: Triton needs one too)
+    assert first["cutlass"] and not second["cutlass"]
     a, b = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
     assert torch.equal(a["y"], b["y"])  # the same kernels on the same data
     for name in ("dx", "dw1", "dw2"):  # backward scatters may sum in another order

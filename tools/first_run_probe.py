@@ -92,8 +92,9 @@ def instrument() -> None:
 
         setattr(holder, attr, wrapped)
 
-    first_import(G, "_kernel_class", "grouped_gemm.sm90", "moe_mxfp8.kernels.grouped_gemm.sm90")
-    first_import(Q, "_kernel_module", "quantize", "moe_mxfp8.kernels.quantize")
+    first_import(G, "_host_class", "grouped_gemm.sm90_config",
+                 "moe_mxfp8.kernels.grouped_gemm.sm90_config")
+    first_import(Q, "_kernel_module", "quantize_launch", "moe_mxfp8.kernels.quantize_launch")
     orig_tk = DP._triton_kernels
 
     def triton_kernels():
@@ -108,21 +109,21 @@ def instrument() -> None:
         return mod
 
     DP._triton_kernels = triton_kernels
-    for name in ("cutlass", "moe_mxfp8.kernels.common"):
+    for name in ("cutlass", "moe_mxfp8.kernels.compile_cache"):
         if name in sys.modules:
             _instrument_module(sys.modules[name])
 
 
 def _instrument_module(mod) -> None:
     name = mod.__name__.rsplit(".", 1)[-1]
-    if name == "sm90":
+    if name == "sm90_config":
         launcher = sys.modules["moe_mxfp8.kernels.grouped_gemm.launcher"]
         _patch(launcher, "_max_active_clusters", "launcher _max_active_clusters (HardwareInfo)")
         _patch(launcher, "current_stream", "current_stream")
         _patch(launcher, "run", "grouped GEMM launcher.run (all)", first_calls=4)
-    if name == "quantize":
+    if name == "quantize_launch":
         _patch(mod, "_launch", "quantize _launch (all)", first_calls=4)
-    common = sys.modules.get("moe_mxfp8.kernels.common")
+    common = sys.modules.get("moe_mxfp8.kernels.compile_cache")
     if common is not None and not getattr(common.CompileCache.get, "__wrapped_probe__", False):
         orig_get = common.CompileCache.get
         calls: dict = collections.Counter()
@@ -216,7 +217,7 @@ def main() -> None:
         elif step == "precompile":
             moe_mxfp8.precompile(st["mx"], tokens=4096)
         elif step == "cutedsl":
-            for m in ("grouped_gemm_sm90", "quantize"):
+            for m in ("grouped_gemm.sm90", "quantize"):
                 _instrument_module(importlib.import_module(f"moe_mxfp8.kernels.{m}"))
         elif step == "triton":
             from moe_mxfp8 import datapath as DP
@@ -235,10 +236,11 @@ def main() -> None:
         res[step] = time.perf_counter() - t
         if prof is not None:
             prof.disable()
-    from moe_mxfp8.kernels import common
+    from moe_mxfp8.kernels import compile_cache
 
-    ev = common.compile_events() if "moe_mxfp8.kernels.common" in sys.modules else []
-    out = {"steps": res, "acc": {k: [n, round(s, 4)] for k, (n, s) in ACC.items()},
+    ev = compile_cache.compile_events()
+    out = {"steps": res, "cutlass_imported": "cutlass" in sys.modules,
+           "acc": {k: [n, round(s, 4)] for k, (n, s) in ACC.items()},
            "first_calls": [(n, round(s, 4)) for n, s in FIRST],
            "kernels": collections.Counter(h for _, _, h, _ in ev),
            "triton_cache_files_added": triton_cache_files() - tri0,

@@ -7,8 +7,12 @@
 * `schedule` -- the device tile walk over ``offs`` (`GroupedTileSchedule`) used by every arch.
 * `base` -- what the arch kernels share on the host side of their ``@cute.jit`` (launch
   signature, GEMM views, shape checks).
-* `launcher` -- describe -> align -> config -> compile (cached) -> launch, given a kernel class.
-* `sm90` / `sm100` -- per arch: the config dataclass, its heuristics and the kernel class.
+* `host` -- the host-side decisions every arch shares (checks, cluster shape, grid bound),
+  without CuTeDSL.
+* `launcher` -- describe -> align -> config -> compile (cached) -> launch, given an arch's host
+  class; no CuTeDSL (a cached kernel launches through `native`).
+* `sm90_config` / `sm100_config` -- per arch: the config dataclass and its heuristics (the
+  host class), no CuTeDSL; `sm90` / `sm100` -- the kernel classes (CuTeDSL).
 
 Nothing here imports `moe_mxfp8` (the API imports this package, never the reverse).
 """

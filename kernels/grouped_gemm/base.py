@@ -1,8 +1,10 @@
 """What both arch kernels of the grouped GEMM share on the host side of their ``@cute.jit``:
-the launch signature, the GEMM views of the torch buffers, the shape checks and the schedule.
+the launch signature, the GEMM views of the torch buffers and the schedule (the shape checks
+and other host decisions are `host.GroupedGemmHost`'s, which needs no CuTeDSL).
 
-A kernel class (``GroupedGemmSm90``, ``GroupedGemmSm100``) subclasses `GroupedGemmBase` and
-adds its config dataclass, its heuristics (`select_config`) and the device code. The launcher
+A kernel class (``GroupedGemmSm90``, ``GroupedGemmSm100``) subclasses its arch's host class
+(config dataclass, heuristics: ``<arch>_config.py``) and `GroupedGemmBase`, and adds the
+device code. The launcher
 (`launcher.py`) drives any of them the same way: describe -> align -> `select_config` ->
 `can_implement` -> compile (cached) -> launch with
 
@@ -19,53 +21,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .problem import MODE_K, MODE_M, GroupedProblem, can_implement
+from .host import GroupedGemmHost
+from .problem import MODE_K, MODE_M
 from .schedule import GroupedTileSchedule
 
 
-class GroupedGemmBase:
-    """Host-side part common to the arch kernels; subclasses set the class attributes."""
-
-    # the first call of each compiled configuration on a device is checked against the
-    # reference before use (kernels no GPU of this project has run: moe_mxfp8.selfcheck)
-    check_on_first_use = False
-    tile_m = 128  # output tile rows (the schedule's unit)
-    tile_n = 128
-    band_m = 1  # raster band (`schedule.GroupedTileSchedule.tile_coords`)
+class GroupedGemmBase(GroupedGemmHost):
+    """What the arch kernel classes add to their host side: the tile schedule and the views."""
 
     def __init__(self, config):
-        self.cfg = config
-        self.mode = config.mode
-        self.is_m = config.mode == MODE_M
+        super().__init__(config)
         self.sched = GroupedTileSchedule(config.mode, config.n, config.k, self.tile_m,
                                          self.tile_n, self.band_m, self.units_per_cluster())
-
-    # ------------------------------------------------------------------ host-side decisions
-    @classmethod
-    def select_config(cls, problem: GroupedProblem, tuning: dict | None = None):
-        """The configuration for ``problem`` (per-arch heuristics)."""
-        raise NotImplementedError
-
-    def limits(self) -> dict:
-        """Divisibility needs (`problem.check_implementable`): 16-byte TMA row strides of the
-        fp8 operands (K or tokens) and of the output rows (N or K), 32-element blocks."""
-        return dict(n_multiple=32, k_multiple=32, m_multiple=16 if self.mode == MODE_K else 1)
-
-    def can_implement(self, problem: GroupedProblem) -> tuple[bool, str]:
-        """(True, "") or (False, why this kernel cannot run ``problem``)."""
-        key = (problem.mode, problem.n, problem.k, problem.out_dtype)
-        mine = (self.cfg.mode, self.cfg.n, self.cfg.k, self.cfg.out_dtype)
-        if key != mine:
-            return False, f"kernel compiled for {mine}, problem is {key}"
-        return can_implement(problem, **self.limits())
-
-    def cluster_size(self) -> int:
-        """CTAs per cluster (the launch's cluster shape along x)."""
-        return 1
-
-    def units_per_cluster(self) -> int:
-        """Work units a cluster takes per step of the persistent walk."""
-        return 1
 
     # ------------------------------------------------------------------ traced host code
     @cute.jit

@@ -1,10 +1,13 @@
 """The one launcher of the grouped GEMM kernels: describe -> align -> config -> compile -> launch.
 
-`grouped_mm` takes the kernel class (``GroupedGemmSm90``, ``GroupedGemmSm100``; the caller
-imports it, this module never imports an arch file) and MXFP8 operands, and launches on the
-current stream without a host sync. `compile_config` compiles one configuration with fake
-pointers -- the same signature the launch uses -- so CPU CI compiles exactly what a GPU runs;
-compiled kernels are cached per (kernel class, config, arch) in memory and on disk.
+`grouped_mm` takes an arch's host class (``GroupedGemmSm90Host``, ``GroupedGemmSm100Host``,
+or the kernel class, which subclasses it; the caller imports it, this module never imports an
+arch file) and MXFP8 operands, and launches on the current stream without a host sync.
+`compile_config` compiles one configuration with fake pointers -- the same signature the
+launch uses -- so CPU CI compiles exactly what a GPU runs; compiled kernels are cached per
+(kernel, config, arch) in memory and on disk. This module imports no CuTeDSL: a kernel loaded
+from the disk cache is launched without it (`native`); CuTeDSL is imported where a kernel is
+compiled, or where a cluster of several CTAs is sized for the first time on this machine.
 """
 
 from __future__ import annotations
@@ -13,30 +16,31 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-import cutlass
-import cutlass.cute as cute
 import torch
-from cutlass import Int32
 
-from ..common import TORCH_TO_CUTLASS, CompileCache, current_stream, target_arch
+from .. import compile_cache
+from ..compile_cache import CompileCache, target_arch
 from ..mx_format import TILE_BYTES
+from ..native import Ptr, current_stream
 from . import problem as P
 
 OFFS_ALIGN = 4  # offs may be a view at any int32 offset; kernels read it by scalar loads
-_CACHE = CompileCache("grouped_gemm")
+_CACHE = CompileCache("grouped_gemm", cute=True)
 
 
-def _ptr(dtype, addr: int, align: int = 16):
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @functools.cache
-def _kernel(kernel_cls, config):
-    """The kernel object of a configuration for host-side decisions (limits, grid), made once:
-    the launch path asks it on every call."""
-    return kernel_cls(config)
+def _host(host_cls, config):
+    """The host object of a configuration for host-side decisions (limits, grid), made once:
+    the launch path asks it on every call. Always the arch's host class, so that a loaded
+    kernel's launch imports no CuTeDSL whichever class the caller passed."""
+    for cls in host_cls.__mro__:
+        if "kernel_name" in cls.__dict__:
+            return cls(config)
+    return host_cls(config)
 
 
 def compile_config(kernel_cls, config, options: str | None = None, stream=None):
@@ -45,16 +49,31 @@ def compile_config(kernel_cls, config, options: str | None = None, stream=None):
     every call. ``options`` (e.g. ``"--keep-cubin"``): compile here, never load from disk."""
 
     def build():
-        kern = kernel_cls(config)  # a fresh object: tracing stores IR values on it
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Int32
+        from cutlass.cute.runtime import make_ptr
+
+        from ..common import TORCH_TO_CUTLASS
+
+        def ptr(dtype, align=16):
+            return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+        kern = kernel_cls.kernel_class()(config)  # a fresh object: tracing stores IR values
         fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8
         out = TORCH_TO_CUTLASS[config.out_dtype]
-        ptrs = [_ptr(t, 0) for t in (fp8, fp8, u8, u8, out)] + [_ptr(Int32, 0, OFFS_ALIGN)]
-        st = stream if stream is not None else cute.runtime.make_fake_stream()
+        ptrs = [ptr(t) for t in (fp8, fp8, u8, u8, out)] + [ptr(Int32, OFFS_ALIGN)]
+        if stream is not None:
+            import cuda.bindings.driver as cuda
+
+            st = cuda.CUstream(stream.handle)
+        else:
+            st = cute.runtime.make_fake_stream()
         kw = {"options": options} if options else {}
         return cute.compile(kern, *ptrs, Int32(1), Int32(1), Int32(TILE_BYTES),
                             Int32(TILE_BYTES), Int32(1), st, **kw)
 
-    key = (kernel_cls.__name__, config, target_arch(), options)
+    key = (kernel_cls.kernel_name, config, target_arch(), options)
     return _CACHE.get(key, build, persist=not options)
 
 
@@ -62,27 +81,37 @@ def compile_config(kernel_cls, config, options: str | None = None, stream=None):
 def _max_active_clusters(index: int, cluster_size: int) -> int:
     """Clusters of ``cluster_size`` CTAs (one CTA per SM) the GPU runs at once: a persistent
     grid larger than that would leave whole clusters waiting for a second wave. The driver
-    query loads a probe kernel (0.2 s of a new process's first step, docs/NOTES.md "What a
-    second process's first step is made of"): once per device and cluster size, never per call,
-    and not for single-CTA clusters, which are one per SM by construction."""
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    query loads a probe kernel through CuTeDSL (0.2 s of a new process's first step, docs/NOTES.md
+    "What a second process's first step is made of"): once per GPU and cluster size, kept on
+    disk (`compile_cache.device_fact`), and never for single-CTA clusters, which are one per SM
+    by construction."""
+    props = torch.cuda.get_device_properties(index)
+    sms = props.multi_processor_count
     if cluster_size == 1:
         return sms
-    try:
-        from cutlass.utils import HardwareInfo
 
-        return HardwareInfo(index).get_max_active_clusters(cluster_size)
-    except Exception:  # driver query unavailable: one cluster per cluster_size SMs
-        return sms // cluster_size
+    def query() -> int:
+        try:
+            from cutlass.utils import HardwareInfo
+
+            return HardwareInfo(index).get_max_active_clusters(cluster_size)
+        except Exception:  # driver query unavailable: one cluster per cluster_size SMs
+            return sms // cluster_size
+
+    # the answer depends on the GPU model and driver only: kept on disk with the kernels, so
+    # a later process neither imports CuTeDSL nor loads the probe kernel for it
+    # (per physical GPU: how its SMs split into GPCs decides the answer)
+    gpu = getattr(props, "uuid", None) or f"{props.name} {index}"
+    return compile_cache.device_fact(f"max_active_clusters {gpu} cluster={cluster_size}", query)
 
 
-def _grid_clusters(kern, problem: P.GroupedProblem, max_clusters: int | None) -> int:
+def _grid_clusters(host, problem: P.GroupedProblem, max_clusters: int | None) -> int:
     """Persistent grid in clusters: no more than the walk has units for, nor than fit."""
     dev = problem.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    per = kern.units_per_cluster()
-    units = -(-kern.sched.units_bound(problem.m, problem.num_groups) // per)
-    clusters = min(units, _max_active_clusters(index, kern.cluster_size()))
+    per = host.units_per_cluster()
+    units = -(-host.units_bound(problem.m, problem.num_groups) // per)
+    clusters = min(units, _max_active_clusters(index, host.cluster_size()))
     if max_clusters is not None:
         clusters = min(clusters, max_clusters)
     return max(1, clusters)
@@ -123,24 +152,25 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
         a_data, b_data, offs = P.align_k_groups(a_data, b_data, offs)
         prob = dataclasses.replace(prob, m=a_data.shape[1])
     config = kernel_cls.select_config(prob, tuning)
-    kern = _kernel(kernel_cls, config)
-    ok, why = kern.can_implement(prob)
+    host = _host(kernel_cls, config)
+    name = kernel_cls.kernel_name
+    ok, why = host.can_implement(prob)
     if not ok:
-        raise ValueError(f"{kernel_cls.__name__} cannot run this problem: {why}")
+        raise ValueError(f"{name} cannot run this problem: {why}")
     for t in (a_data, b_data, a.scale, b.scale, result):
         if t.data_ptr() % P.TMA_ALIGN_BYTES:
-            raise ValueError(f"{kernel_cls.__name__} needs 16-byte aligned buffers")
+            raise ValueError(f"{name} needs 16-byte aligned buffers")
     if first_use is not None and kernel_cls.check_on_first_use:
-        first_use(kernel_cls, config, prob.device)
-    clusters = _grid_clusters(kern, prob, max_clusters)
+        first_use(kernel_cls.kernel_class(), config, prob.device)
+    clusters = _grid_clusters(host, prob, max_clusters)
     stream = current_stream()
     fn = compile_config(kernel_cls, config, stream=stream)
-    fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8
-    fn(_ptr(fp8, a_data.data_ptr()), _ptr(fp8, b_data.data_ptr()),
-       _ptr(u8, a.scale.data_ptr()), _ptr(u8, b.scale.data_ptr()),
-       _ptr(TORCH_TO_CUTLASS[prob.out_dtype], result.data_ptr()),
-       _ptr(Int32, offs.data_ptr(), OFFS_ALIGN),
-       Int32(prob.m), Int32(prob.num_groups),
-       Int32(a.scale.numel() // TILE_BYTES * TILE_BYTES),
-       Int32(b.scale.numel() // TILE_BYTES * TILE_BYTES), Int32(clusters), stream)
+    fp8, u8 = "float8_e4m3fn", "uint8"
+    fn(Ptr(fp8, a_data.data_ptr()), Ptr(fp8, b_data.data_ptr()),
+       Ptr(u8, a.scale.data_ptr()), Ptr(u8, b.scale.data_ptr()),
+       Ptr(_dtype_name(prob.out_dtype), result.data_ptr()),
+       Ptr("int32", offs.data_ptr(), OFFS_ALIGN),
+       prob.m, prob.num_groups,
+       a.scale.numel() // TILE_BYTES * TILE_BYTES,
+       b.scale.numel() // TILE_BYTES * TILE_BYTES, clusters, stream)
     return result

@@ -50,12 +50,6 @@ class GroupedTileSchedule:
             raise ValueError("band_m >= 1, and x_granule must divide the tiles along x")
         self.num_tokens = None
 
-    def units_bound(self, m: int, num_groups: int) -> int:
-        """Host: static bound of the unit count (the persistent grid never needs more)."""
-        if self.is_m:
-            return self.tiles_x * F.tiles_bound(m, num_groups, self.tile_m)
-        return self.tiles_x * -(-self.n // self.tile_m) * num_groups
-
     def bind(self, num_tokens: Int32) -> None:
         """Device: the token count that group ends are clamped to."""
         self.num_tokens = num_tokens

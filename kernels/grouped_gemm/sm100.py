@@ -42,7 +42,6 @@ API runs `moe_mxfp8.selfcheck`, which refuses the kernel if it is wrong, hangs o
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -50,7 +49,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
-import torch
 from cutlass import Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
@@ -58,8 +56,8 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from ..common import TORCH_TO_CUTLASS
 from ..mx_format import BLOCK_SIZE, TILE_BYTES, TILE_ROWS
 from .base import MODE_K, MODE_M, GroupedGemmBase
-from .problem import GroupedProblem
 from .schedule import TILE_K
+from .sm100_config import GroupedGemmSm100Config, GroupedGemmSm100Host  # noqa: F401
 
 SF_VEC_SIZE = BLOCK_SIZE  # MXFP8: one E8M0 scale per 32 elements along K (block32)
 MMA_K = 32  # K of one tcgen05.mma kind::mxf8f6f4 instruction (8-bit operands)
@@ -78,39 +76,10 @@ EPI_BARRIER_ID = 1
 TMEM_ALLOC_BARRIER_ID = 2
 
 
-@dataclass(frozen=True)
-class GroupedGemmSm100Config:
-    """Static configuration of one compiled kernel.
-
-    ``mma_m`` 128: one CTA per MMA tile; 256: a CTA pair (cluster (2, 1)) runs cta_group::2
-    MMAs of 256 x ``mma_n``, each CTA holding 128 rows. ``n`` and ``k`` are the static extents
-    (`problem.GroupedProblem`); tokens and the group count stay dynamic. The scale-block choice
-    does not enter: 1x128 operands are MXFP8 tensors the block32 MMA reads as they are.
-    """
-
-    mode: str
-    n: int
-    k: int
-    out_dtype: torch.dtype = torch.bfloat16
-    mma_m: int = 128
-    mma_n: int = 128
-
-    @property
-    def two_cta(self) -> bool:
-        return self.mma_m == 256
-
-    @property
-    def cluster_shape_mn(self) -> tuple[int, int]:
-        return (2, 1) if self.two_cta else (1, 1)
-
-
-class GroupedGemmSm100(GroupedGemmBase):
+class GroupedGemmSm100(GroupedGemmSm100Host, GroupedGemmBase):
     """Persistent, warp-specialised grouped MXFP8 GEMM for sm_100a (see module docstring)."""
 
-    check_on_first_use = True  # no Blackwell GPU has run it in this project's CI
-
     def __init__(self, config: GroupedGemmSm100Config):
-        self.tile_m, self.tile_n = config.mma_m, config.mma_n  # the schedule's unit: an MMA tile
         super().__init__(config)
         self.cta_group = tcgen05.CtaGroup.TWO if config.two_cta else tcgen05.CtaGroup.ONE
         self.atom_thr = 2 if config.two_cta else 1
@@ -128,32 +97,6 @@ class GroupedGemmSm100(GroupedGemmBase):
         self.num_c_stage = 2
 
     # ------------------------------------------------------------------ host-side decisions
-    @classmethod
-    def select_config(cls, problem: GroupedProblem, tuning: dict | None = None):
-        """Tile choice. cta_group::2 halves B traffic per CTA but needs groups of >= 256 rows
-        to fill its tiles; with unknown (device-side) group sizes the mean group size decides.
-        The K-grouped kernel zeroes group tails in SMEM from the MMA warp, which only sees its
-        own CTA's SMEM, so it stays on one CTA per tile."""
-        if tuning:
-            raise ValueError("the sm100 kernel takes no tuning overrides")
-        mma_m = 128
-        if problem.mode == MODE_M and problem.m >= 256 * max(problem.num_groups, 1):
-            mma_m = 256
-        return GroupedGemmSm100Config(problem.mode, problem.n, problem.k, problem.out_dtype,
-                                      mma_m, 128)
-
-    def can_implement(self, problem: GroupedProblem) -> tuple[bool, str]:
-        if self.mode == MODE_K and self.cfg.two_cta:
-            return False, "K-grouped kernel runs one CTA per tile (SMEM tail fix-up)"
-        if self.cfg.mma_n != 128:
-            # 256 would need one accumulator stage (2 x 256 + scale columns > 512 TMEM
-            # columns); not built or compile-tested.
-            return False, f"mma_n must be 128, got {self.cfg.mma_n}"
-        return super().can_implement(problem)
-
-    def cluster_size(self) -> int:
-        return 2 if self.cfg.two_cta else 1
-
     @classmethod
     def selfcheck_tiling(cls, config: GroupedGemmSm100Config) -> tuple[int, int]:
         """(output tile rows, operand ring stages): what a first-use check must wrap; the

@@ -45,7 +45,7 @@ def _mm(backend, mode, a, b, offs, out_dtype=torch.bfloat16, **launch):
 
     from moe_mxfp8 import grouped_gemm, selfcheck
 
-    return launcher.grouped_mm(grouped_gemm._kernel_class(backend), mode, a, b, offs, out_dtype,
+    return launcher.grouped_mm(grouped_gemm._host_class(backend), mode, a, b, offs, out_dtype,
                                first_use=selfcheck.verify_on_first_use, **launch)
 
 

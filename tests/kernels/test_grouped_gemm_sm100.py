@@ -386,8 +386,9 @@ def test_dispatch_selects_sm100(monkeypatch):
     assert backend.resolve_backend("sm100", dev) == "sm100"
     from moe_mxfp8.kernels.grouped_gemm.sm100 import GroupedGemmSm100
 
-    assert grouped_gemm._kernel_class("sm100") is GroupedGemmSm100
-    assert GroupedGemmSm100.check_on_first_use
+    host = grouped_gemm._host_class("sm100")
+    assert host.kernel_class() is GroupedGemmSm100 and issubclass(GroupedGemmSm100, host)
+    assert host.check_on_first_use and GroupedGemmSm100.check_on_first_use
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 3))
     assert backend.resolve_backend("auto", dev) == "sm100"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

@@ -1,4 +1,4 @@
-"""MXFP8 quantizer kernels (kernels/quantize.py).
+"""MXFP8 quantizer kernels (kernels/quantize.py; entry points in kernels/quantize_launch.py).
 
 CPU: every kernel variant compiles for sm_90a and sm_100a (fake pointers, a subprocess per arch,
 since CuTeDSL reads ``CUTE_DSL_ARCH`` once when it is imported).
@@ -37,7 +37,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 COMPILE_SCRIPT = textwrap.dedent(
     """
     import itertools
-    from moe_mxfp8.kernels import quantize as Q
+    from moe_mxfp8.kernels import quantize_launch as Q
     C = Q.QuantConfig
     n = 0
     for dt, rnd in itertools.product(("bfloat16", "float16", "float32"), ("rceil", "floor")):
@@ -98,7 +98,7 @@ def test_compile_all_variants(arch):
 SASS_SCRIPT = textwrap.dedent(
     """
     import glob, os, shutil, sys
-    from moe_mxfp8.kernels import quantize as Q
+    from moe_mxfp8.kernels import quantize_launch as Q
     C = Q.QuantConfig
     out = sys.argv[1]
     for name, op, cfg in [
@@ -330,7 +330,7 @@ GROUP_SIZES = [
 
 
 def _kernels():
-    from moe_mxfp8.kernels import quantize as Q
+    from moe_mxfp8.kernels import quantize_launch as Q
 
     return Q
 

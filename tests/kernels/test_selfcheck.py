@@ -187,8 +187,7 @@ def test_sm100_launches_are_guarded(K, monkeypatch, mode):
     monkeypatch.setattr(launcher.P, "output", capture_output)
     monkeypatch.setattr(launcher, "_grid_clusters", lambda *a: 1)
     monkeypatch.setattr(launcher, "current_stream", lambda: None)
-    monkeypatch.setattr(launcher, "_ptr", lambda *a, **k: None)
-    monkeypatch.setattr(grouped_gemm, "_kernel_class", lambda backend: K.GroupedGemmSm100)
+    monkeypatch.setattr(grouped_gemm, "_host_class", lambda backend: K.GroupedGemmSm100)
     prob = selfcheck.pipeline_problem(mode, 64, 96, torch.bfloat16, tile_m=128, stages=2)
     a, b, offs = selfcheck.make_operands(mode, prob, "cpu", seed=7)
 

@@ -1,0 +1,160 @@
+"""The Hopper grouped GEMM's configuration and heuristics, without CuTeDSL: the config
+dataclass (`GroupedGemmSm90Config`), its tuning fields and `GroupedGemmSm90Host` (config choice,
+shape checks, cluster shape). The kernel class (`sm90.GroupedGemmSm90`) subclasses the host
+class; a process that loads its kernels from the compile cache needs only this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..mx_format import SCALE_BLOCKS
+from .host import GroupedGemmHost
+from .problem import MODE_M, MODES, GroupedProblem
+
+DIAG_MODES = ("", "no_promote", "no_scale_wait", "promote_only")
+TILE_M = 128  # two consumer warpgroups of 64 rows; one packed scale tile's 128 rows
+TILE_N = 128  # the wgmma's N: one packed scale tile of B per k-tile
+TILE_NS = (TILE_N, 2 * TILE_N)  # output tile widths: one or two wgmma column halves
+RASTER_BAND = 16  # rows of tiles per raster band of the 1x128 kernels (docs/NOTES.md)
+
+
+@dataclass(frozen=True)
+class GroupedGemmSm90Config:
+    """Compile-time choices: the problem's static part (``mode``, ``n``, ``k``, ``out_dtype``,
+    ``scale_blocks``) and the tuning fields below (measured effects: docs/NOTES.md, "Hopper
+    grouped GEMM"). ``scale_blocks``: "1x32" (exact MXFP8, 2 FP32 ops per element per k=32
+    step), "32x32" (M-grouped 32x32 weight tiles, 1 FFMA) or "1x128" (one promotion per
+    k=128; M-grouped with 128x128 weight tiles)."""
+
+    mode: str
+    n: int
+    k: int
+    out_dtype: torch.dtype = torch.bfloat16
+    scale_blocks: str = "1x32"
+    # 1x128: issue the wgmmas of two k-tiles, then promote the first while the second's run
+    # (two temporaries, k-loop unrolled by two) instead of waiting for each k-tile's wgmmas
+    # before promoting it. None: on M-grouped, off K-grouped (measured per grouping).
+    overlap_promotion: bool | None = None
+    stages: int = 0  # 0: as many as fit in shared memory (<= MAX_STAGES)
+    double_tmp: bool = True  # two temporaries: promote step j while wgmma j+1 runs
+    # k-tiles of packed scale words each scale warp keeps in flight: 1, since deeper rings
+    # spill in the 40-register producer warps and did not pay (measured)
+    scale_lookahead: int = 1
+    # read a block's scales from smem before waiting for its wgmma (None: on for 32x32 only;
+    # in 1x32 mode its 32 column scales held across the wait make ptxas spill)
+    hoist_scales: bool | None = None
+    # 32x32 mode: the scale warps write the 8 row x column-group products per consumer thread
+    # (None: on in 32x32 mode) instead of the consumers forming them with 8 FMULs per k-step
+    scale_products: bool | None = None
+    # CTAs per cluster along the output tile's fast axis (1 or 2). With 2, the CTAs of a
+    # cluster take adjacent tiles that share the A rows, and each TMA-loads half of the A tile
+    # and multicasts it to both. Needs an even number of tiles along the fast axis
+    # (`can_cluster`; otherwise `select_config` uses 1). On for 1x128 K-grouped only, where the
+    # kernel is feed-bound again (measured).
+    cluster_n: int = 1
+    # output tile width: 128 (one wgmma of N = 128 per k=32 step) or 256 (the 1x128 recipe
+    # only: two column halves sharing the A tile, one temporary reused for both halves, so
+    # the A tile is loaded half as often per output and the per-tile cost is amortised over
+    # twice the work; `select_config` picks 256 for the 1x128 recipe when the output has more
+    # than 128 columns)
+    tile_n: int = TILE_N
+    # raster band: the schedule walks bands of this many rows of tiles, x-tile by x-tile (a
+    # cluster's tiles together) with the band's rows fastest, so the CTAs running at once
+    # share B tiles in L2 (`schedule.GroupedTileSchedule.tile_coords`). 1: row by row.
+    # `select_config`: RASTER_BAND for the 1x128 recipe (measured), else 1.
+    band_m: int = 1
+    # diagnostics for measuring the kernel's limits (results are WRONG; never dispatched):
+    # "no_promote": the wgmmas accumulate straight into acc (the same pipeline without the
+    # CUDA-core promotion); "no_scale_wait": scale warps idle, consumers do not wait for them;
+    # "promote_only": no wgmma is issued (the promotion and the pipeline alone).
+    diag: str = ""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.scale_blocks not in SCALE_BLOCKS:
+            raise ValueError(f"scale_blocks must be one of {SCALE_BLOCKS}")
+        if self.mode != MODE_M and self.scale_blocks == "32x32":
+            raise ValueError("the K-grouped kernel uses per-row (1xK) blocks only")
+        if self.scale_blocks == "1x128" and self.diag:
+            raise ValueError("diag modes measure the exact-MXFP8 kernel")
+        if self.scale_lookahead < 1:
+            raise ValueError("scale_lookahead must be >= 1")
+        if self.cluster_n not in (1, 2):
+            raise ValueError("cluster_n must be 1 or 2")
+        if self.diag not in DIAG_MODES:
+            raise ValueError(f"diag must be one of {DIAG_MODES}, got {self.diag!r}")
+        if self.tile_n not in TILE_NS:
+            raise ValueError(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
+        if self.tile_n != TILE_N and self.scale_blocks != "1x128":
+            raise ValueError("256-column tiles are built for the 1x128 recipe only")
+        if self.band_m < 1:
+            raise ValueError("band_m must be >= 1")
+
+
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(GroupedGemmSm90Config)
+                      if f.name not in ("mode", "n", "k", "out_dtype", "scale_blocks"))
+
+
+def output_columns(mode: str, n: int, k: int) -> int:
+    """The output tiles' fast axis: M-grouped N, K-grouped K (per group)."""
+    return n if mode == MODE_M else k
+
+
+def can_cluster(mode: str, n: int, k: int, cluster_n: int, tile_n: int = TILE_N) -> bool:
+    """Whether output tiles along the fast axis pair up evenly into clusters of ``cluster_n``
+    CTAs (the cluster's CTAs must share every tile's A rows)."""
+    return -(-output_columns(mode, n, k) // tile_n) % cluster_n == 0
+
+
+class GroupedGemmSm90Host(GroupedGemmHost):
+    """Host-side decisions of the Hopper kernel (`sm90.GroupedGemmSm90`)."""
+
+    kernel_module = "sm90"
+    kernel_name = "GroupedGemmSm90"
+    tile_m = TILE_M
+
+    def __init__(self, config: GroupedGemmSm90Config):
+        self.tile_n = config.tile_n  # the schedule's unit and raster
+        self.band_m = config.band_m
+        super().__init__(config)
+
+    @classmethod
+    def select_config(cls, problem: GroupedProblem, tuning: dict | None = None):
+        """The configuration: the problem's static part; for the 1x128 recipe 256-column
+        tiles (more than 128 output columns), raster bands of RASTER_BAND rows of tiles and,
+        K-grouped, 2-CTA clusters where the tiles pair up; then ``tuning``'s overrides
+        (benchmarks)."""
+        k128 = problem.scale_blocks == "1x128"
+        wide = k128 and output_columns(problem.mode, problem.n, problem.k) > TILE_N
+        fields = dict(cluster_n=2 if problem.mode != MODE_M and k128 else 1,
+                      tile_n=TILE_NS[1] if wide else TILE_N,
+                      band_m=RASTER_BAND if k128 else 1)
+        if tuning:
+            bad = sorted(set(tuning) - set(TUNING_FIELDS))
+            if bad:
+                raise ValueError(f"tuning may only set {TUNING_FIELDS}, got {bad}")
+            fields.update(tuning)
+        cfg = GroupedGemmSm90Config(problem.mode, problem.n, problem.k, problem.out_dtype,
+                                    problem.scale_blocks, **fields)
+        if cfg.cluster_n > 1 and not can_cluster(cfg.mode, cfg.n, cfg.k, cfg.cluster_n,
+                                                 cfg.tile_n):
+            cfg = dataclasses.replace(cfg, cluster_n=1)
+        return cfg
+
+    def can_implement(self, problem: GroupedProblem) -> tuple[bool, str]:
+        if problem.scale_blocks != self.cfg.scale_blocks:
+            # the promotion depends on the scale blocks: another choice would give wrong sums
+            return False, (f"kernel compiled for {self.cfg.scale_blocks} scale blocks, the "
+                           f"operands have {problem.scale_blocks}")
+        return super().can_implement(problem)
+
+    def cluster_size(self) -> int:
+        return self.cfg.cluster_n
+
+    def units_per_cluster(self) -> int:
+        return self.cfg.cluster_n

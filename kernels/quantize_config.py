@@ -1,0 +1,48 @@
+"""Configuration of the MXFP8 quantizer kernels (`QuantConfig`, the compile key) and the tile
+constants the kernels and their launcher share. No CuTeDSL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import mx_format as F
+
+TILE_TOKENS = F.TILE_ROWS  # tokens per CTA tile = rows of one packed scale tile
+TILE_FEATURES = F.TILE_BLOCKS * F.BLOCK_SIZE  # features per CTA tile = one packed 4-block column
+VEC_BYTES = 16  # one ld.global.v4 / st.global.v4
+ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
+ACT_BLOCKS = tuple(sorted(set(F.ACT_BLOCK.values())))  # 32, 128
+TILE_BLOCK_ROWS = tuple(sorted(set(F.WEIGHT_BLOCK_ROWS.values())))  # 1, 32, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Static configuration of one compiled quantizer (the compile-cache key with the arch).
+
+    dtype: input dtype name; rounding: "rceil" | "floor"; k: features (static; % 32 == 0
+    whenever blocks run along it: rows or 32x32 blocks; any k >= 1 for the columnwise output);
+    rows / cols: write the rowwise / columnwise output; grouping: "none" | "offs" (row groups
+    from device ``offs``) | "uniform" (groups of ``group_rows`` tokens: experts);
+    col_layout: "concat" (``x.T`` as ``(K, M)``) | "experts" (``(E, K, N)``);
+    block_rows: weights' scale tiles, 1 (1x32 blocks), 32 (32x32) or 128 (128x128);
+    col_aligned: every colwise output segment starts on 16 bytes (no offs, tokens per group
+    % 16 == 0) -> 16-byte stores instead of shifted words; act_block: activations' block length
+    along the reduced axis, 32 (MXFP8) or 128 (the 1x128 recipe; rows and columns alike).
+    """
+
+    dtype: str
+    rounding: str
+    k: int
+    rows: bool
+    cols: bool
+    grouping: str = "none"
+    group_rows: int = 0
+    col_layout: str = "concat"
+    block_rows: int = 1
+    col_aligned: bool = False
+    act_block: int = F.BLOCK_SIZE
