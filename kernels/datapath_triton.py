@@ -59,13 +59,13 @@ TOK_TILE = 16  # tokens per program in the per-token kernels
 # one 128-row tile; 64-row chunks within 2%); the dispatch and the SwiGLU kernels hold one
 # 128-row tile at 8 warps (2026-11-24: dispatch 1.36x faster than 32-row chunks at dsv3, no
 # spills; SwiGLU 4-11% faster than at 16 warps, although its backward spills 24 instructions
-# against 41 at 16 warps; 32 warps and 64-row halves were slower). The SwiGLU forward's tile
-# takes 197 registers a thread at 8 warps, so one program fits an SM; capped at 128 (a third
-# entry: Triton's maxnreg) two fit, and despite its spills (47 STL) it is 10-12% faster; the
-# backward, capped, spills 440 and runs 3x slower.
+# against 41 at 16 warps; 32 warps and 64-row halves were slower). A cap on registers per
+# thread (a third entry: Triton's maxnreg) helped the SwiGLU forward (128: 10-12% faster)
+# until it divided with IEEE rounding; with `div.rn` the uncapped tile is as fast or faster
+# (2026-11-26: mixtral 1.88 vs 1.90 ms, dsv3 1.08 vs 1.25 ms), and the capped backward spills
+# and runs 1.5-2.5x slower.
 CHUNKED_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_SIZE, 4)}
 WHOLE_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 8)}
-SWIGLU_FWD_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 8, 128)}
 # Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
 ROW_ALIGN = K_GROUP_ALIGN
@@ -559,7 +559,7 @@ def _row_meta(ablk: int, aligned: bool, rows: dict = CHUNKED_ROWS) -> dict:
     """Launch constants of the row-block kernels for activation blocks of ``ablk`` rows;
     ``aligned``: every group starts on a multiple of `ROW_ALIGN` rows; ``rows``: the kernel's
     (chunk rows, warps[, registers per thread]) per block length (`CHUNKED_ROWS`,
-    `WHOLE_ROWS`, `SWIGLU_FWD_ROWS`)."""
+    `WHOLE_ROWS`)."""
     if ablk not in ACT_BLOCKS:
         raise ValueError(f"activation block must be one of {ACT_BLOCKS}, got {ablk}")
     rb, warps, *regs = rows[ablk]
@@ -606,7 +606,7 @@ def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
     ptrs, flags = _quant_outs(outs, h)
     _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m, (hh + 127) // 128 * 128,
                                             **flags,
-                                            **_row_meta(ablk, aligned, SWIGLU_FWD_ROWS))
+                                            **_row_meta(ablk, aligned, WHOLE_ROWS))
 
 
 def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):

@@ -374,7 +374,7 @@ _PTR_TYPES = {"x_ptr": "*bf16", "h_ptr": "*bf16", "da_ptr": "*bf16", "dout_ptr":
               "src_ptr": "*i32", "tbl_ptr": "*i32"}
 # (kernel, extra constexprs, its launch's (chunk rows, warps) table)
 _ROW_KERNELS = [("_dispatch_kernel", {}, "WHOLE_ROWS"),
-                ("_swiglu_fwd_kernel", {}, "SWIGLU_FWD_ROWS"),
+                ("_swiglu_fwd_kernel", {}, "WHOLE_ROWS"),
                 ("_swiglu_bwd_kernel", {"JOINT": False}, "WHOLE_ROWS"),
                 ("_swiglu_bwd_kernel", {"JOINT": True}, "WHOLE_ROWS"),
                 ("_combine_bwd_kernel", {"DW": True}, "CHUNKED_ROWS")]
@@ -388,7 +388,7 @@ _ROW_KERNELS = [("_dispatch_kernel", {}, "WHOLE_ROWS"),
 def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
     """Each row-block kernel compiles for sm_90 without a GPU (Triton's own ptxas), with the
     launch constants the layer uses. The dispatch keeps everything in registers in both block
-    lengths (a 128-row block: one tile at 8 warps, 128 registers; docs/NOTES.md)."""
+    lengths (a 128-row block: one tile at 8 warps; docs/NOTES.md)."""
     from tests.triton_sm90 import compile_for_sm90
 
     K = _kernel_module()

@@ -1,6 +1,6 @@
 """Time the 1x128 row-block data-path kernels alone at other (rows per step, warps[, registers
-per thread]) settings than `kernels.datapath_triton`'s tables (`CHUNKED_ROWS`, `WHOLE_ROWS`,
-`SWIGLU_FWD_ROWS`) (device; prints ms and GB/s over the bytes each must move).
+per thread]) settings than `kernels.datapath_triton`'s tables (`CHUNKED_ROWS`, `WHOLE_ROWS`)
+(device; prints ms and GB/s over the bytes each must move).
 
     python tools/rowkernel_sweep.py [--shapes mixtral,dsv3] [--kernels swiglu,dispatch,combine]
 """
@@ -16,7 +16,8 @@ from moe_mxfp8.kernels import datapath_triton as K
 from moe_mxfp8 import datapath as DP
 
 SHAPES = {"mixtral": (16384, 2, 8, 4096, 14336), "dsv3": (65536, 2, 8, 7168, 2048)}  # T k E D H
-SETTINGS = {"swiglu": ((128, 16), (128, 8), (128, 8, 128), (128, 8, 168)),
+SETTINGS = {"swiglu": ((128, 16), (128, 8), (128, 8, 128), (128, 8, 152), (128, 8, 168),
+                       (128, 16, 96)),
             "dispatch": ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8)),
             "combine": ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8))}  # rows, warps[, regs]
 
@@ -41,7 +42,7 @@ def sweep(name: str, kinds: list[str]) -> None:
     o_2h = DP._outputs(m, 2 * hh, e, True, True, False, h)
     cases = {
         "swiglu": [
-            (K.SWIGLU_FWD_ROWS, "swiglu_fwd",
+            (K.WHOLE_ROWS, "swiglu_fwd",
              lambda: K.swiglu_fwd(h, src, tbl, o_h, 128, True), m * hh * 6),
             (K.WHOLE_ROWS, "swiglu_bwd",
              lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, 128, True), m * hh * 10)],
