@@ -332,6 +332,45 @@ def test_cutedsl_round_trip_sm90a(tmp_path):
     assert len(libs) == 2
 
 
+@pytest.mark.slow
+def test_native_kernel_passes_arguments_as_the_c_header_does(tmp_path):
+    """A real entry (a quantizer compiled for sm_90a), loaded natively; its ciface entry is
+    replaced by a recorder so that the packing can be checked without a GPU: one ``void *``
+    per pointer argument, an ``int32_t`` per Int32, the stream as a ``cudaStream_t``, then the
+    ``int32_t`` CUDA result, whose non-zero value becomes one error line."""
+    import ctypes
+
+    from moe_mxfp8.kernels import native
+
+    cache = tmp_path / "cache"
+    _round_trip(cache, "sm_90a")
+    meta = json.loads(next((cache / CC.SUBDIR).glob("quantize-*.json")).read_text())
+    prefix = "moe_mxfp8_" + CC.Entry(cache, "quantize", meta["key"]).digest[:16]
+    kern = native.NativeKernel(cache / CC.SUBDIR / meta["shared"], prefix, meta["function"],
+                               meta["runtime"])
+    seen, status = [], [0]
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+    def recorder(args, n):
+        cells = ctypes.cast(args, ctypes.POINTER(ctypes.c_void_p))
+        ptr = [ctypes.cast(cells[i], ctypes.POINTER(ctypes.c_void_p)).contents.value
+               for i in (0, 1)]
+        i32 = ctypes.cast(cells[2], ctypes.POINTER(ctypes.c_int32)).contents.value
+        stream = ctypes.cast(cells[3], ctypes.POINTER(ctypes.c_void_p)).contents.value
+        seen.append((n, ptr, i32, stream))
+        ctypes.cast(cells[n - 1], ctypes.POINTER(ctypes.c_int32)).contents.value = status[0]
+
+    kern._entry, kern._loaded = recorder, True  # no GPU: skip the CUDA library load
+    kern(native.Ptr("uint8", 0x7F0000001000), native.Ptr("bfloat16", 0x7F0000002000), -5,
+         native.Stream(0x1234))
+    assert seen == [(5, [0x7F0000001000, 0x7F0000002000], -5, 0x1234)]
+    status[0] = 700  # cudaErrorIllegalAddress
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        kern(native.Ptr("uint8", 16), native.Ptr("uint8", 32), 1, native.Stream(0))
+    with pytest.raises(TypeError, match="unsupported kernel argument"):
+        kern(1.5)
+
+
 def test_link_shared_refuses_what_it_cannot_link(tmp_path, monkeypatch):
     from moe_mxfp8.kernels import native
 
