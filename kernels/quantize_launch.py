@@ -14,17 +14,7 @@ import torch
 from . import mx_format as F
 from .compile_cache import CompileCache, target_arch
 from .native import Ptr, current_stream
-from .quantize_config import (  # noqa: F401  (re-exported: the entry points' vocabulary)
-    ACT_BLOCKS,
-    DTYPE_NAMES,
-    ELEM_BYTES,
-    TILE_BLOCK_ROWS,
-    TILE_FEATURES,
-    TILE_TOKENS,
-    TORCH_DTYPES,
-    VEC_BYTES,
-    QuantConfig,
-)
+from .quantize_config import DTYPE_NAMES, TILE_FEATURES, VEC_BYTES, QuantConfig
 
 _cache = CompileCache("quantize", cute=True)
 

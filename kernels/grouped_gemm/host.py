@@ -37,6 +37,12 @@ class GroupedGemmHost:
         self.is_m = config.mode == MODE_M
 
     @classmethod
+    def host_class(cls):
+        """The arch's host class: the class that names the kernel (this one, or the one a
+        kernel class derives from)."""
+        return next(c for c in cls.__mro__ if "kernel_name" in vars(c))
+
+    @classmethod
     def kernel_class(cls):
         """The CuTeDSL kernel class of this arch (imports CuTeDSL)."""
         mod = importlib.import_module(f"{__package__}.{cls.kernel_module}")

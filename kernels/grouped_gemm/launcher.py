@@ -35,12 +35,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 @functools.cache
 def _host(host_cls, config):
     """The host object of a configuration for host-side decisions (limits, grid), made once:
-    the launch path asks it on every call. Always the arch's host class, so that a loaded
-    kernel's launch imports no CuTeDSL whichever class the caller passed."""
-    for cls in host_cls.__mro__:
-        if "kernel_name" in cls.__dict__:
-            return cls(config)
-    return host_cls(config)
+    the launch path asks it on every call. Always of the arch's host class (a kernel class
+    passed in would build its CuTeDSL state for nothing)."""
+    return host_cls.host_class()(config)
 
 
 def compile_config(kernel_cls, config, options: str | None = None, stream=None):
