@@ -123,9 +123,9 @@ def _instrument_module(mod) -> None:
         _patch(launcher, "run", "grouped GEMM launcher.run (all)", first_calls=4)
     if name == "quantize_launch":
         _patch(mod, "_launch", "quantize _launch (all)", first_calls=4)
-    common = sys.modules.get("moe_mxfp8.kernels.compile_cache")
-    if common is not None and not getattr(common.CompileCache.get, "__wrapped_probe__", False):
-        orig_get = common.CompileCache.get
+    cache = sys.modules.get("moe_mxfp8.kernels.compile_cache")
+    if cache is not None and not getattr(cache.CompileCache.get, "__wrapped_probe__", False):
+        orig_get = cache.CompileCache.get
         calls: dict = collections.Counter()
 
         def get(self, key, build, **kw):
@@ -149,7 +149,7 @@ def _instrument_module(mod) -> None:
             return call
 
         get.__wrapped_probe__ = True
-        common.CompileCache.get = get
+        cache.CompileCache.get = get
 
 
 def _instrument_triton(mod) -> None:

@@ -49,8 +49,8 @@ for _ in range(2):
     y.backward(dy)
     torch.cuda.synchronize()
     times.append(time.perf_counter() - t)
-from moe_mxfp8.kernels import common
-ev = common.compile_events()
+from moe_mxfp8.kernels import compile_cache
+ev = compile_cache.compile_events()
 fam = {}
 for name, key, how, sec in ev:
     fam.setdefault(f"{name}/{how}", [0, 0.0])
