@@ -57,6 +57,13 @@ class Stream:
     handle: int
 
 
+def cu_stream(stream: Stream):
+    """``stream`` as CuTeDSL's stream argument (a ``cuda.bindings`` CUstream; imports it)."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(stream.handle)
+
+
 def current_stream() -> Stream:
     """torch's current CUDA stream."""
     import torch
@@ -216,7 +223,6 @@ class CuteKernel:
         return getattr(self.fn, name)
 
     def __call__(self, *args):
-        import cuda.bindings.driver as cuda
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_ptr
@@ -228,7 +234,7 @@ class CuteKernel:
                 conv.append(make_ptr(dtype, a.addr, cute.AddressSpace.gmem,
                                      assumed_align=a.align))
             elif isinstance(a, Stream):
-                conv.append(cuda.CUstream(a.handle))
+                conv.append(cu_stream(a))
             elif isinstance(a, int):
                 conv.append(cutlass.Int32(a))
             else:

@@ -71,7 +71,7 @@ from cutlass.cute.typing import AddressSpace
 
 from . import mx_format as F
 from .common import TORCH_TO_CUTLASS
-from .native import current_stream
+from .native import cu_stream, current_stream
 from .ptx import (
     cvt_e4m3x4,
     f16_to_f32_bits,
@@ -640,10 +640,6 @@ def build_quantizer(op: str, config: QuantConfig):
     f8, u8, i32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32
     args = [make_ptr(t, 0, AddressSpace.gmem, assumed_align=16)
             for t in (in_t, f8, u8, f8, u8, i32, i32)]
-    if torch.cuda.is_available():
-        import cuda.bindings.driver as cuda
-
-        stream = cuda.CUstream(current_stream().handle)
-    else:
-        stream = cute.runtime.make_fake_stream()
+    stream = (cu_stream(current_stream()) if torch.cuda.is_available()
+              else cute.runtime.make_fake_stream())
     return cute.compile(kern, *args, Int32(1), Int32(1), Int32(1), Int32(1), stream)

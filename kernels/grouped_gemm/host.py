@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 
 from .. import mx_format as F
-from .problem import MODE_K, MODE_M, GroupedProblem, can_implement
+from .problem import MODE_K, MODE_M, GroupedProblem, can_implement, output_columns
 
 
 class GroupedGemmHost:
@@ -76,7 +76,7 @@ class GroupedGemmHost:
 
     def tiles_x(self) -> int:
         """Output tiles along a group's fast axis (M-grouped N, K-grouped K)."""
-        return -(-(self.cfg.n if self.is_m else self.cfg.k) // self.tile_n)
+        return -(-output_columns(self.mode, self.cfg.n, self.cfg.k) // self.tile_n)
 
     def units_bound(self, m: int, num_groups: int) -> int:
         """Static bound of the schedule's unit count (the persistent grid never needs more)."""

@@ -21,7 +21,7 @@ import torch
 from .. import compile_cache
 from ..compile_cache import CompileCache, target_arch
 from ..mx_format import TILE_BYTES
-from ..native import Ptr, current_stream
+from ..native import Ptr, cu_stream, current_stream
 from . import problem as P
 
 OFFS_ALIGN = 4  # offs may be a view at any int32 offset; kernels read it by scalar loads
@@ -60,12 +60,7 @@ def compile_config(kernel_cls, config, options: str | None = None, stream=None):
         fp8, u8 = cutlass.Float8E4M3FN, cutlass.Uint8
         out = TORCH_TO_CUTLASS[config.out_dtype]
         ptrs = [ptr(t) for t in (fp8, fp8, u8, u8, out)] + [ptr(Int32, OFFS_ALIGN)]
-        if stream is not None:
-            import cuda.bindings.driver as cuda
-
-            st = cuda.CUstream(stream.handle)
-        else:
-            st = cute.runtime.make_fake_stream()
+        st = cu_stream(stream) if stream is not None else cute.runtime.make_fake_stream()
         kw = {"options": options} if options else {}
         return cute.compile(kern, *ptrs, Int32(1), Int32(1), Int32(TILE_BYTES),
                             Int32(TILE_BYTES), Int32(1), st, **kw)

@@ -31,6 +31,11 @@ from .. import mx_format as F
 MODE_M = "m"  # M-grouped: 2D x 3D (fprop, dgrad)
 MODE_K = "k"  # K-grouped: 2D x 2D (wgrad)
 MODES = (MODE_M, MODE_K)
+
+
+def output_columns(mode: str, n: int, k: int) -> int:
+    """The output tiles' fast axis: M-grouped N, K-grouped K (per group)."""
+    return n if mode == MODE_M else k
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 # weight tile rows (MXFP8Tensor.block_rows of an M-grouped `b`) -> the scale-block choice
 SCALE_BLOCKS_OF_WEIGHT_ROWS = {rows: name for name, rows in F.WEIGHT_BLOCK_ROWS.items()}

@@ -25,7 +25,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .. import mx_format as F
-from .problem import MODE_M, scale_tile_index
+from .problem import MODE_M, output_columns, scale_tile_index
 
 TILE_K = 128  # reduced elements per k-tile: 4 scale blocks = one packed 512-byte scale tile
 
@@ -45,7 +45,7 @@ class GroupedTileSchedule:
         self.is_m = mode == MODE_M
         self.band_m, self.x_granule = band_m, x_granule
         # units along the fast axis of a group's tile grid (static)
-        self.tiles_x = -(-(n if self.is_m else k) // tile_n)
+        self.tiles_x = -(-output_columns(mode, n, k) // tile_n)
         if band_m < 1 or x_granule < 1 or self.tiles_x % x_granule:
             raise ValueError("band_m >= 1, and x_granule must divide the tiles along x")
         self.num_tokens = None

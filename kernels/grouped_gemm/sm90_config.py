@@ -13,7 +13,7 @@ import torch
 
 from ..mx_format import SCALE_BLOCKS
 from .host import GroupedGemmHost
-from .problem import MODE_M, MODES, GroupedProblem
+from .problem import MODE_M, MODES, GroupedProblem, output_columns
 
 DIAG_MODES = ("", "no_promote", "no_scale_wait", "promote_only")
 TILE_M = 128  # two consumer warpgroups of 64 rows; one packed scale tile's 128 rows
@@ -98,11 +98,6 @@ class GroupedGemmSm90Config:
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(GroupedGemmSm90Config)
                       if f.name not in ("mode", "n", "k", "out_dtype", "scale_blocks"))
-
-
-def output_columns(mode: str, n: int, k: int) -> int:
-    """The output tiles' fast axis: M-grouped N, K-grouped K (per group)."""
-    return n if mode == MODE_M else k
 
 
 def can_cluster(mode: str, n: int, k: int, cluster_n: int, tile_n: int = TILE_N) -> bool:
