@@ -21,12 +21,12 @@ block):
 
 One program owns an ABLK-row block x CB features (CB a multiple of ABLK), so it can write both
 quantized copies: rowwise (blocks of ABLK along the features) and columnwise (the block's rows of
-every feature, stored transposed). It computes the block RB rows at a time (`CHUNKED_ROWS`,
-`WHOLE_ROWS`): each chunk's values go out as the BF16 and rowwise copies and update the running
-column maxima. With one chunk (RB == ABLK) its registers give the columnwise copy too (one read
-of the inputs); with 32-row chunks of a 128-row block the columnwise copy needs the whole
-block's maxima first, so a second walk recomputes each chunk from its inputs (re-read from L2)
-and stores it, instead of holding 128 rows in registers.
+every feature, stored transposed). It computes the block RB rows at a time (`ROW_TILING`):
+each chunk's values go out as the BF16 and rowwise copies and update the running column maxima.
+With one chunk (RB == ABLK) its registers give the columnwise copy too (one read of the
+inputs); with 32-row chunks of a 128-row block the columnwise copy needs the whole block's
+maxima first, so a second walk recomputes each chunk from its inputs (re-read from L2) and
+stores it, instead of holding 128 rows in registers.
 Every row of ``[0, M)`` belongs to exactly one block, so every data byte is written (pad rows as
 zeros); scale buffers start zeroed (the layout's padding bytes), their real bytes are written here.
 """
@@ -34,6 +34,7 @@ zeros); scale buffers start zeroed (the layout's padding bytes), their real byte
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,20 +53,32 @@ ACT_BLOCKS = (BLOCK_SIZE, BLOCK_128)  # activation block lengths (ABLK) the kern
 TBL_COLS = 6  # block-table columns (see the module doc)
 COL_TILE = 128  # features per program (a multiple of every ABLK)
 TOK_TILE = 16  # tokens per program in the per-token kernels
-# Rows a row-block program computes at a time (RB) per activation block, and its warps
-# (H100, docs/NOTES.md "Data path in 32-row chunks", "Wide tiles and banded raster";
-# tools/rowkernel_sweep.py). 32-row blocks: the block, 4 warps (8 were 38-65% slower).
-# 128-row blocks: the combine backward walks them in 32-row chunks at 4 warps (1.2x faster than
-# one 128-row tile; 64-row chunks within 2%); the dispatch and the SwiGLU kernels hold one
-# 128-row tile at 8 warps (2026-11-24: dispatch 1.36x faster than 32-row chunks at dsv3, no
-# spills; SwiGLU 4-11% faster than at 16 warps, although its backward spills 24 instructions
-# against 41 at 16 warps; 32 warps and 64-row halves were slower). A cap on registers per
-# thread (a third entry: Triton's maxnreg) helped the SwiGLU forward (128: 10-12% faster)
-# until it divided with IEEE rounding; with `div.rn` the uncapped tile is as fast or faster
-# (2026-11-26: mixtral 1.88 vs 1.90 ms, dsv3 1.08 vs 1.25 ms), and the capped backward spills
-# and runs 1.5-2.5x slower.
-CHUNKED_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_SIZE, 4)}
-WHOLE_ROWS = {BLOCK_SIZE: (BLOCK_SIZE, 4), BLOCK_128: (BLOCK_128, 8)}
+
+
+class RowTiling(NamedTuple):
+    """How a row-block kernel walks an ABLK-row block: ``rows`` (RB) at a time with ``warps``
+    (RB < ABLK: the chunks are recomputed from their inputs for the columnwise copy, see the
+    module doc); ``maxnreg``: a cap on registers per thread (Triton's), if any."""
+
+    rows: int
+    warps: int
+    maxnreg: int | None = None
+
+
+# Per kernel and activation block length (H100, docs/NOTES.md "Data path in 32-row chunks",
+# "Wide tiles and banded raster", "Where the 1x128 SwiGLU kernels' time goes";
+# tools/rowkernel_sweep.py). 32-row blocks: the block at 4 warps (8 were 38-65% slower).
+# 128-row blocks: the combine backward walks 32-row chunks at 4 warps (1.2x faster than one
+# 128-row tile), re-reading them from L2; the dispatch and the SwiGLU kernels hold one 128-row
+# tile at 8 warps (dispatch 1.36x faster than 32-row chunks at dsv3, no spills; SwiGLU faster
+# than at 16 or 32 warps, than 32-row chunks recomputed or held in registers, and than with a
+# register cap once it divides with IEEE rounding).
+ROW_TILING = {
+    "dispatch": {BLOCK_SIZE: RowTiling(BLOCK_SIZE, 4), BLOCK_128: RowTiling(BLOCK_128, 8)},
+    "swiglu_fwd": {BLOCK_SIZE: RowTiling(BLOCK_SIZE, 4), BLOCK_128: RowTiling(BLOCK_128, 8)},
+    "swiglu_bwd": {BLOCK_SIZE: RowTiling(BLOCK_SIZE, 4), BLOCK_128: RowTiling(BLOCK_128, 8)},
+    "combine_bwd": {BLOCK_SIZE: RowTiling(BLOCK_SIZE, 4), BLOCK_128: RowTiling(BLOCK_SIZE, 4)},
+}
 # Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
 ROW_ALIGN = K_GROUP_ALIGN
@@ -92,12 +105,17 @@ def _scale_from_amax(amax_bits):
 
 @triton.jit
 def _e4m3_byte(v, INTERP: tl.constexpr):
-    """E4M3 byte (uint8) of fp32 ``v`` already clamped to [-448, 448], round-to-nearest-even.
+    """E4M3 byte (uint8) of fp32 ``v`` (a value times its block's 2^-e), round-to-nearest-even,
+    saturating to +-448.
 
-    On the GPU this is the hardware conversion (``cvt.rn.satfinite``); the interpreter's
-    conversion mis-rounds at octave carries, so there the rounding is done on the integer bits.
+    On the GPU this is the hardware conversion (``cvt.rn.satfinite``), which saturates itself:
+    no clamp instructions (the RCEIL scale keeps every finite block within +-448 anyway; only
+    the elements of a NaN/Inf block, scale 0xFF, whose bytes the contract leaves unspecified,
+    could differ from a clamp's). The interpreter's conversion mis-rounds at octave carries, so
+    there the value is clamped and the rounding done on the integer bits.
     """
     if INTERP:
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
         bits = v.to(tl.int32, bitcast=True)
         sign = ((bits >> 31) & 1) << 7
         a = bits & 0x7FFFFFFF
@@ -147,8 +165,7 @@ def _row_blocks(x, INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
     x3 = tl.reshape(x, (RB, CB // ABLK, ABLK))
     bits = x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     byte, inv = _scale_from_amax(tl.max(bits, axis=2))
-    v = tl.minimum(tl.maximum(x3 * inv[:, :, None], -448.0), 448.0)
-    q = tl.reshape(_e4m3_byte(v, INTERP), (RB, CB))
+    q = tl.reshape(_e4m3_byte(x3 * inv[:, :, None], INTERP), (RB, CB))
     if ABLK != QBLK:  # one byte per 32-block: repeat each ABLK-block's byte
         byte = tl.reshape(tl.broadcast_to(byte[:, :, None], (RB, CB // ABLK, ABLK // QBLK)),
                           (RB, CB // QBLK))
@@ -184,8 +201,7 @@ def _col_amax(x):
 def _store_cols(x, inv, rows, rmask, feats, fmask, q_ptr, m, INTERP: tl.constexpr):
     """Columnwise E4M3 bytes of the fp32 tile ``x (RB, CB)`` with the per-feature ``inv`` =
     2^-e, stored transposed at ``q[feat, row]`` (row stride ``m``)."""
-    v = tl.minimum(tl.maximum(x * inv[None, :], -448.0), 448.0)
-    q = _e4m3_byte(v, INTERP)
+    q = _e4m3_byte(x * inv[None, :], INTERP)
     tl.store(q_ptr + feats.to(tl.int64)[None, :] * m + rows[:, None], q,
              mask=rmask[:, None] & fmask[None, :])
 
@@ -258,17 +274,40 @@ def _write_rows(v, rows, rmask, prow0, cols, cmask, off, n, ld, qr_ptr, sr_ptr, 
 
 
 @triton.jit
+def _tile_copies(v, rows, rmask, prow0, cols, cmask, off, n, ld, qr_ptr, sr_ptr, out_ptr,
+                 qc_ptr, sc_ptr, M, base, lblk, nblk, nrows, QROW: tl.constexpr,
+                 QCOL: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr,
+                 RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr):
+    """Every copy of a whole block's tile ``v`` (RB == ABLK), features ``cols`` of ``n`` at
+    column ``cols + off``: BF16 and rowwise (`_write_rows`), then the columnwise copy and its
+    scales, so that the tile is dead before the kernel's next tile is needed."""
+    _write_rows(v, rows, rmask, prow0, cols, cmask, off, n, ld, qr_ptr, sr_ptr, out_ptr, QROW,
+                BF16, INTERP, RB, CB, ABLK)
+    if QCOL:
+        byte, inv = _scale_from_amax(_col_amax(v))
+        _store_cols(v, inv, rows, rmask, cols + off, cmask, qc_ptr, M, INTERP)
+        _store_col_scales(byte, cols + off, cmask, sc_ptr, base, lblk, nblk, nrows, ABLK)
+
+
+@triton.jit
 def _walk_block(VALUES: tl.constexpr, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
                 out_ptr, F, M, TOPK, RP, QROW: tl.constexpr, QCOL: tl.constexpr,
                 BF16: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
                 ABLK: tl.constexpr, RALIGN: tl.constexpr):
     """A row-block program whose output tile is ``VALUES(in_ptr, src_ptr, rows, rmask, cols,
-    cmask, F, TOPK, INTERP)`` (F features wide): the chunk walk of the module doc -- BF16 and
-    rowwise copies per chunk, then the columnwise copy from the block's column maxima."""
+    cmask, F, TOPK, INTERP)`` (F features wide): one tile (`_tile_copies`), or the chunk walk of
+    the module doc -- BF16 and rowwise copies per chunk, then the columnwise copy from the
+    block's column maxima."""
     rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, RALIGN)
     cols, cmask = _cols(F, CB)
+    if RB == ABLK:  # one tile: its registers give every copy (one read of the inputs)
+        rows, rmask = _chunk(rs, re, 0, RB)
+        v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
+        _tile_copies(v, rows, rmask, prow0, cols, cmask, 0, F, F, qr_ptr, sr_ptr, out_ptr,
+                     qc_ptr, sc_ptr, M, tiles * RP * 4, lblk, nblk, re - rs, QROW, QCOL, BF16,
+                     INTERP, RB, CB, ABLK)
+        return
     camax = tl.zeros((CB,), dtype=tl.int32)
-    v = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
     for c in range(ABLK // RB):
         rows, rmask = _chunk(rs, re, c, RB)
         v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
@@ -278,10 +317,9 @@ def _walk_block(VALUES: tl.constexpr, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, 
             camax = tl.maximum(camax, _col_amax(v))
     if QCOL:
         byte, inv = _scale_from_amax(camax)
-        for c in range(ABLK // RB):
+        for c in range(ABLK // RB):  # recompute (inputs from L2): no 128 rows in registers
             rows, rmask = _chunk(rs, re, c, RB)
-            if ABLK != RB:  # recompute (inputs from L2) rather than hold the whole block
-                v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
+            v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
             _store_cols(v, inv, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
         _store_col_scales(byte, cols, cmask, sc_ptr, tiles * RP * 4, lblk, nblk, re - rs, ABLK)
 
@@ -426,6 +464,17 @@ def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, 
     else:
         cols, cmask = _cols(H, CB)
         feats = cols
+    if RB == ABLK and not JOINT:  # one tile: dgate's copies out before dup's are made
+        rows, rmask = _chunk(rs, re, 0, RB)
+        dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H, INTERP)
+        base = tiles * RP * 4
+        _tile_copies(dg, rows, rmask, prow0, cols, cmask, 0, H, 2 * H, qr_ptr, sr_ptr, out_ptr,
+                     qc_ptr, sc_ptr, M, base, lblk, nblk, re - rs, QROW, QCOL, BF16, INTERP, RB,
+                     CB, ABLK)
+        _tile_copies(dup, rows, rmask, prow0, cols, cmask, H, H, 2 * H, qr_ptr, sr_ptr, out_ptr,
+                     qc_ptr, sc_ptr, M, base, lblk, nblk, re - rs, QROW, QCOL, BF16, INTERP, RB,
+                     CB, ABLK)
+        return
     amax_g = tl.zeros((CB,), dtype=tl.int32)  # JOINT: of dh
     amax_u = tl.zeros((CB,), dtype=tl.int32)
     dg = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
@@ -555,18 +604,16 @@ def _grid_rows(tbl: torch.Tensor, feats: int) -> tuple[int, int]:
     return (tbl.shape[0], triton.cdiv(feats, COL_TILE))
 
 
-def _row_meta(ablk: int, aligned: bool, rows: dict = CHUNKED_ROWS) -> dict:
-    """Launch constants of the row-block kernels for activation blocks of ``ablk`` rows;
-    ``aligned``: every group starts on a multiple of `ROW_ALIGN` rows; ``rows``: the kernel's
-    (chunk rows, warps[, registers per thread]) per block length (`CHUNKED_ROWS`,
-    `WHOLE_ROWS`)."""
+def _row_meta(ablk: int, aligned: bool, kernel: str) -> dict:
+    """Launch constants of row-block kernel ``kernel`` (a `ROW_TILING` key) for activation
+    blocks of ``ablk`` rows; ``aligned``: every group starts on a multiple of `ROW_ALIGN` rows."""
     if ablk not in ACT_BLOCKS:
         raise ValueError(f"activation block must be one of {ACT_BLOCKS}, got {ablk}")
-    rb, warps, *regs = rows[ablk]
-    meta = {"INTERP": INTERPRET, "RB": rb, "CB": COL_TILE, "ABLK": ablk,
-            "RALIGN": ROW_ALIGN if aligned else 1, "num_warps": warps}
-    if regs:  # a cap on registers per thread (Triton's maxnreg)
-        meta["maxnreg"] = regs[0]
+    t = ROW_TILING[kernel][ablk]
+    meta = {"INTERP": INTERPRET, "RB": t.rows, "CB": COL_TILE, "ABLK": ablk,
+            "RALIGN": ROW_ALIGN if aligned else 1, "num_warps": t.warps}
+    if t.maxnreg:
+        meta["maxnreg"] = t.maxnreg
     return meta
 
 
@@ -586,7 +633,7 @@ def dispatch(x, src, tbl, top_k, outs, ablk=BLOCK, aligned=False):
         return
     ptrs, flags = _quant_outs(outs, x)
     _dispatch_kernel[_grid_rows(tbl, d)](x, src, tbl, *ptrs, d, m, top_k, (d + 127) // 128 * 128,
-                                         **flags, **_row_meta(ablk, aligned, WHOLE_ROWS))
+                                         **flags, **_row_meta(ablk, aligned, "dispatch"))
 
 
 def gather_sum(src, rows, out):
@@ -606,7 +653,7 @@ def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
     ptrs, flags = _quant_outs(outs, h)
     _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m, (hh + 127) // 128 * 128,
                                             **flags,
-                                            **_row_meta(ablk, aligned, WHOLE_ROWS))
+                                            **_row_meta(ablk, aligned, "swiglu_fwd"))
 
 
 def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
@@ -617,7 +664,7 @@ def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
     joint = hh % ablk != 0
     _swiglu_bwd_kernel[_grid_rows(tbl, 2 * hh if joint else hh)](
         da, h, src, tbl, *ptrs, hh, m, (2 * hh + 127) // 128 * 128, **flags, JOINT=joint,
-        **_row_meta(ablk, aligned, WHOLE_ROWS))
+        **_row_meta(ablk, aligned, "swiglu_bwd"))
 
 
 def combine_fwd(y, rows, weights, out):
@@ -640,4 +687,4 @@ def combine_bwd(dout, y, weights, src, tbl, top_k, outs, part, ablk=BLOCK, align
         dout, y, weights, src, tbl, *ptrs,
         dout.new_empty(1, dtype=torch.float32) if part is None else part,
         d, m, top_k, (d + 127) // 128 * 128, **flags, DW=part is not None,
-        **_row_meta(ablk, aligned))
+        **_row_meta(ablk, aligned, "combine_bwd"))

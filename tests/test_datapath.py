@@ -12,6 +12,7 @@ one CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -263,11 +264,36 @@ def _kernel_module():
     return datapath_triton
 
 
+# Walks of a 128-row block the row kernels can be launched with (`RowTiling`), besides their
+# shipped `ROW_TILING`: the whole block as one tile, or 32-row chunks recomputed.
+_WALKS = {"whole": (128, 8), "recomputed": (32, 4)}
+_WALK_KERNELS = ("dispatch", "swiglu_fwd", "swiglu_bwd", "combine_bwd")
+
+
+@contextlib.contextmanager
+def row_walk(K, walk: str | None):
+    """Launch every row-block kernel's 128-row blocks with walk ``walk`` (None: shipped)."""
+    saved = {n: K.ROW_TILING[n][128] for n in _WALK_KERNELS}
+    if walk is not None:
+        for n in _WALK_KERNELS:
+            K.ROW_TILING[n][128] = K.RowTiling(*_WALKS[walk])
+    try:
+        yield
+    finally:
+        for n, t in saved.items():
+            K.ROW_TILING[n][128] = t
+
+
 def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_silu_bwd=True,
-                                     scale_blocks="1x32"):
+                                     scale_blocks="1x32", walk=None):
     """Every kernel with every output poisoned, vs its reference on the same device, in the
-    activation blocks of ``scale_blocks`` (32, or 128 for "1x128")."""
+    activation blocks of ``scale_blocks`` (32, or 128 for "1x128"); ``walk``: `row_walk`'s."""
     K = _kernel_module()
+    with row_walk(K, walk):
+        _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_blocks)
+
+
+def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_blocks):
     sb = scale_blocks
     ablk = R.ACT_BLOCK[sb]
     aligned = align % 16 == 0  # the 16-byte columnwise stores where groups allow them
@@ -347,20 +373,23 @@ def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_s
 @pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
                     reason="Triton interpreter run (CPU machine with Triton installed)")
 @pytest.mark.parametrize("case", [
-    ((37, 2, 5, 96, 64, 16), "1x32"),
+    ((37, 2, 5, 96, 64, 16), "1x32", None),
     # 1x128: D = 160 ends in a partial 128-block; H = 96 makes the [dgate | dup] row's blocks
-    # straddle its halves (the joint SwiGLU backward); align 16 and 128 (the layer's)
-    ((37, 2, 5, 160, 96, 16), "1x128"),
-    ((70, 2, 3, 128, 128, 128), "1x128"),
-], ids=lambda c: "T{}k{}E{}D{}H{}a{}".format(*c[0]) + "-" + c[1])
+    # straddle its halves (the joint SwiGLU backward); align 16 and 128 (the layer's); each walk
+    # of a 128-row block
+    ((37, 2, 5, 160, 96, 16), "1x128", None),
+    ((70, 2, 3, 128, 128, 128), "1x128", None),
+    ((70, 2, 3, 128, 128, 128), "1x128", "whole"),
+    ((37, 2, 5, 160, 96, 16), "1x128", "recomputed"),
+], ids=lambda c: "T{}k{}E{}D{}H{}a{}".format(*c[0]) + "-" + c[1] + (f"-{c[2]}" if c[2] else ""))
 def test_kernels_interpreter(gen, case):
     """In a subprocess: the interpreter must be chosen before Triton is first imported (which
     torch.compile in this process may already have done for its own kernels)."""
-    shape, sb = case
+    shape, sb, walk = case
     seed = int(torch.randint(2**62, (1,), generator=gen))
     code = ("import torch; from tests.test_datapath import check_kernels_against_references as c;"
             f"c(torch.Generator().manual_seed({seed}), 'cpu', *{shape!r}, "
-            f"exact_silu_bwd=False, scale_blocks={sb!r})")
+            f"exact_silu_bwd=False, scale_blocks={sb!r}, walk={walk!r})")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parent.parent
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
@@ -372,12 +401,12 @@ def test_kernels_interpreter(gen, case):
 _PTR_TYPES = {"x_ptr": "*bf16", "h_ptr": "*bf16", "da_ptr": "*bf16", "dout_ptr": "*bf16",
               "y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32",
               "src_ptr": "*i32", "tbl_ptr": "*i32"}
-# (kernel, extra constexprs, its launch's (chunk rows, warps) table)
-_ROW_KERNELS = [("_dispatch_kernel", {}, "WHOLE_ROWS"),
-                ("_swiglu_fwd_kernel", {}, "WHOLE_ROWS"),
-                ("_swiglu_bwd_kernel", {"JOINT": False}, "WHOLE_ROWS"),
-                ("_swiglu_bwd_kernel", {"JOINT": True}, "WHOLE_ROWS"),
-                ("_combine_bwd_kernel", {"DW": True}, "CHUNKED_ROWS")]
+# (kernel, extra constexprs, its `ROW_TILING` key)
+_ROW_KERNELS = [("_dispatch_kernel", {}, "dispatch"),
+                ("_swiglu_fwd_kernel", {}, "swiglu_fwd"),
+                ("_swiglu_bwd_kernel", {"JOINT": False}, "swiglu_bwd"),
+                ("_swiglu_bwd_kernel", {"JOINT": True}, "swiglu_bwd"),
+                ("_combine_bwd_kernel", {"DW": True}, "combine_bwd")]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -392,7 +421,7 @@ def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
     from tests.triton_sm90 import compile_for_sm90
 
     K = _kernel_module()
-    meta = {**K._row_meta(ablk, True, getattr(K, rows)), **extra, "QROW": True, "QCOL": True,
+    meta = {**K._row_meta(ablk, True, rows), **extra, "QROW": True, "QCOL": True,
             "BF16": True}
     warps, regs = meta.pop("num_warps"), meta.pop("maxnreg", None)
     # as launched: 16-byte aligned buffers and sizes (Triton's specialization of such args)
@@ -422,9 +451,53 @@ def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
 @pytest.mark.parametrize("shape", [(37, 2, 5, 96, 64, 16), (300, 8, 16, 256, 160, 16),
                                    (1000, 2, 8, 1024, 512, 128), (513, 4, 7, 160, 96, 1)],
                          ids=lambda s: "T{}k{}E{}D{}H{}a{}".format(*s))
+@pytest.mark.parametrize("scale_blocks,walk", [("1x32", None), ("1x128", None),
+                                               ("1x128", "whole"), ("1x128", "recomputed")])
+def test_gpu_kernels_bit_exact(gen, shape, scale_blocks, walk):
+    check_kernels_against_references(gen, "cuda", *shape, scale_blocks=scale_blocks, walk=walk)
+
+
+def _assert_mx_same_values(a, b, what):
+    """Scale bytes equal and the dequantized values equal, NaN where NaN: the element bytes of a
+    NaN/Inf block (scale 0xFF) are unspecified (docs/numerics.md), every other byte counts."""
+    assert torch.equal(a.scale, b.scale), f"{what}: scale bytes differ"
+    torch.testing.assert_close(a.dequantize(torch.float32), b.dequantize(torch.float32), rtol=0,
+                               atol=0, equal_nan=True, msg=f"{what}: values differ")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
-def test_gpu_kernels_bit_exact(gen, shape, scale_blocks):
-    check_kernels_against_references(gen, "cuda", *shape, scale_blocks=scale_blocks)
+def test_gpu_kernels_nonfinite_blocks(gen, scale_blocks):
+    """Inf and NaN inputs: the blocks holding them get scale 0xFF exactly as the reference
+    quantizer gives them, and every other block's bytes are the reference's (the GPU kernels
+    let the hardware conversion saturate instead of clamping first; docs/NOTES.md)."""
+    K = _kernel_module()
+    sb, ablk = scale_blocks, R.ACT_BLOCK[scale_blocks]
+    t, k, e, d, hh, align = 300, 2, 8, 256, 256, 128
+    ids, counts = make_routing(gen, t, k, e)
+    rows, src, offs = (v.cuda() for v in DP.route_layout(ids, counts, align))
+    m = src.numel()
+    tbl = DP.block_table(offs, m, ablk)
+    x = (torch.randn(t, d, generator=gen) * 4).to(BF16).cuda()
+    h = (torch.randn(m, 2 * hh, generator=gen) * 3).to(BF16).cuda()
+    for v in (x, h):  # +-Inf and NaN at random places (a few blocks each)
+        flat = v.view(-1)
+        idx = torch.randint(flat.numel(), (12,), generator=gen).cuda()
+        flat[idx] = torch.tensor([float("inf"), -float("inf"), float("nan")] * 4, dtype=BF16,
+                                 device="cuda")
+    o = DP._outputs(m, d, e, True, True, False, src)
+    K.dispatch(x, src, tbl, k, o, ablk, True)
+    got, ref = DP._wrap(o, offs), DP.dispatch_ref(x, src, offs, k, scale_blocks=sb)
+    assert (got[0].scale == 0xFF).any(), "no non-finite block was made"
+    _assert_mx_same_values(got[0], ref[0], "dispatch rowwise")
+    _assert_mx_same_values(got[1], ref[1], "dispatch colwise")
+    o = DP._outputs(m, hh, e, True, True, False, src)
+    K.swiglu_fwd(h, src, tbl, o, ablk, True)
+    got, ref = DP._wrap(o, offs), DP.swiglu_ref(h, src, offs, scale_blocks=sb)
+    _assert_mx_same_values(got[0], ref[0], "swiglu rowwise")
+    _assert_mx_same_values(got[1], ref[1], "swiglu colwise")
 
 
 def check_routed_experts_kernels(gen, device, precision, scale_blocks, backend,

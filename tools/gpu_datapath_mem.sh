@@ -64,18 +64,18 @@ for ablk in (32, 128):
     o_h = DP._outputs(M, H, E, True, True, False, x)
     o_2h = DP._outputs(M, 2 * H, E, True, True, False, x)
     cases = [
-        ("dispatch", K.WHOLE_ROWS, lambda: K.dispatch(x, src, tbl, k, o_d, ablk, True),
+        ("dispatch", lambda: K.dispatch(x, src, tbl, k, o_d, ablk, True),
          M * D * 4),
-        ("swiglu_fwd", K.WHOLE_ROWS, lambda: K.swiglu_fwd(h, src, tbl, o_h, ablk, True),
+        ("swiglu_fwd", lambda: K.swiglu_fwd(h, src, tbl, o_h, ablk, True),
          M * H * 6),
-        ("swiglu_bwd", K.WHOLE_ROWS, lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, ablk, True),
+        ("swiglu_bwd", lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, ablk, True),
          M * H * 10),
-        ("combine_bwd", K.CHUNKED_ROWS,
+        ("combine_bwd",
          lambda: K.combine_bwd(dout, y, w, src, tbl, k, o_d, part, ablk, True), M * D * 6),
     ]
-    for name, rows, fn, nbytes in cases:
+    for name, fn, nbytes in cases:
         ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-        rb, warps = rows[ablk]
+        rb, warps = K.ROW_TILING[name][ablk][:2]
         print(f"{name:12s} {ablk:4d} {rb:6d} {warps:5d} {ms:7.3f} {nbytes / ms / 1e6:8.0f}",
               flush=True)
 PYEOF
