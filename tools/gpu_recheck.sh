@@ -16,5 +16,5 @@ echo "== grouped GEMM, 1x128"
 for sh in dsv3 mixtral qwen3; do
   timeout 120 python -m benchmarks.bench_grouped_gemm --shapes $sh --ops fprop,dgrad,wgrad16 \
     --modes 1x128 --reps 10 --rounds 3 --json "$OUT/gemm_$sh.json" 2>&1 \
-    | grep -E "^\| $sh" | tee -a "$OUT/gemm.txt"
+    | grep -E "^$sh \|" | tee -a "$OUT/gemm.txt"
 done

@@ -1,67 +1,120 @@
-"""Time the 1x128 row-block data-path kernels alone at other (rows per step, warps[, registers
-per thread]) settings than `kernels.datapath_triton`'s tables (`CHUNKED_ROWS`, `WHOLE_ROWS`)
-(device; prints ms and GB/s over the bytes each must move).
+"""Time the 1x128 row-block data-path kernels alone at other tilings (`RowTiling`: rows per
+step, warps, registers per thread) than `kernels.datapath_triton.ROW_TILING`'s
+(device; prints ms and GB/s over the bytes each must move), next to two ceilings measured in
+the same process: a copy of the kernel's input (``torch.clone``) and the BF16 twin's kernel.
 
     python tools/rowkernel_sweep.py [--shapes mixtral,dsv3] [--kernels swiglu,dispatch,combine]
+        [--module moe_mxfp8.kernels.datapath_triton] [--parts] [--once]
+
+``--module``: a copy of the kernel module to time instead (a diagnostic variant).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import torch
 import triton
-from moe_mxfp8.kernels import datapath_triton as K
 
 from moe_mxfp8 import datapath as DP
 
-SHAPES = {"mixtral": (16384, 2, 8, 4096, 14336), "dsv3": (65536, 2, 8, 7168, 2048)}  # T k E D H
-SETTINGS = {"swiglu": ((128, 16), (128, 8), (128, 8, 128), (128, 8, 152), (128, 8, 168),
-                       (128, 16, 96)),
-            "dispatch": ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8)),
-            "combine": ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8))}  # rows, warps[, regs]
+SHAPES = {"mixtral": (16384, 2, 8, 4096, 14336), "dsv3": (65536, 2, 8, 7168, 2048),
+          "qwen3": (16384, 8, 128, 2048, 768)}  # T k E D H
 
 
-def sweep(name: str, kinds: list[str]) -> None:
-    """Every setting of ``kinds`` at shape ``name``, the shipped setting restored after."""
+def _settings(K, kind: str) -> list:
+    T = K.RowTiling
+    return {"swiglu": [T(128, 8), T(128, 16), T(128, 8, 168), T(32, 4)],
+            "dispatch": [T(128, 8), T(32, 4), T(64, 8)],
+            "combine": [T(32, 4), T(64, 4), T(128, 8)]}[kind]
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _line(name, kern, what, ms, nbytes):
+    print(f"{name:8s} {kern:12s} {what:34s} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s",
+          flush=True)
+
+
+def make_inputs(name: str, align: int = 16) -> dict:
+    """Routing and the row kernels' inputs and 1x128 outputs at shape ``name`` (random data,
+    every group padded to ``align`` rows)."""
     t, k, e, d, hh = SHAPES[name]
     bf = torch.bfloat16
     ids = torch.rand(t, e, device="cuda").argsort(1)[:, :k]
     counts = torch.bincount(ids.reshape(-1), minlength=e)
-    _, src, offs = DP.route_layout(ids, counts, 16)
+    _, src, offs = DP.route_layout(ids, counts, align)
     m = src.numel()
-    tbl = DP.block_table(offs, m, 128)
-    x, dout = (torch.randn(t, d, device="cuda", dtype=bf) for _ in range(2))
-    y = torch.randn(m, d, device="cuda", dtype=bf)
-    w = torch.rand(t, k, device="cuda")
-    part = torch.empty(-(-d // K.COL_TILE), m, device="cuda")
+    x = torch.randn(t, d, device="cuda", dtype=bf)
     h = torch.randn(m, 2 * hh, device="cuda", dtype=bf) * 3
-    da = torch.randn(m, hh, device="cuda", dtype=bf)
-    o_d = DP._outputs(m, d, e, True, True, False, x)
-    o_h = DP._outputs(m, hh, e, True, True, False, h)
-    o_2h = DP._outputs(m, 2 * hh, e, True, True, False, h)
-    cases = {
+    return {"t": t, "k": k, "e": e, "d": d, "hh": hh, "m": m, "src": src, "offs": offs,
+            "tbl": DP.block_table(offs, m, 128), "x": x, "h": h,
+            "da": torch.randn(m, hh, device="cuda", dtype=bf),
+            "o_d": DP._outputs(m, d, e, True, True, False, x),
+            "o_h": DP._outputs(m, hh, e, True, True, False, h),
+            "o_2h": DP._outputs(m, 2 * hh, e, True, True, False, h)}
+
+
+def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = False) -> None:
+    """Every setting of ``kinds`` at shape ``name``, the shipped setting restored after
+    (``once``: instead, each kernel of ``kinds`` and its BF16 twin launched once, for
+    profilers)."""
+    z = make_inputs(name)
+    k, d, hh, m, src, tbl = z["k"], z["d"], z["hh"], z["m"], z["src"], z["tbl"]
+    x, h, da, o_d, o_h, o_2h = z["x"], z["h"], z["da"], z["o_d"], z["o_h"], z["o_2h"]
+    bf = torch.bfloat16
+    tbl32 = DP.block_table(z["offs"], m, 32)
+    dout = torch.randn(z["t"], d, device="cuda", dtype=bf)
+    y = torch.randn(m, d, device="cuda", dtype=bf)
+    w = torch.rand(z["t"], k, device="cuda")
+    part = torch.empty(-(-d // K.COL_TILE), m, device="cuda")
+    b_h = {"bf16": torch.empty(m, hh, device="cuda", dtype=bf)}
+    b_2h = {"bf16": torch.empty(m, 2 * hh, device="cuda", dtype=bf)}
+    cases = {  # kernel key, fn, bytes moved; the BF16 twin's kernel (1x32 tables), its bytes
         "swiglu": [
-            (K.WHOLE_ROWS, "swiglu_fwd",
-             lambda: K.swiglu_fwd(h, src, tbl, o_h, 128, True), m * hh * 6),
-            (K.WHOLE_ROWS, "swiglu_bwd",
-             lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, 128, True), m * hh * 10)],
-        "dispatch": [(K.WHOLE_ROWS, "dispatch",
-                      lambda: K.dispatch(x, src, tbl, k, o_d, 128, True), m * d * 4)],
-        "combine": [(K.CHUNKED_ROWS, "combine_bwd",
+            ("swiglu_fwd", lambda: K.swiglu_fwd(h, src, tbl, o_h, 128, True), m * hh * 6,
+             lambda: K.swiglu_fwd(h, src, tbl32, b_h, 32, True), m * hh * 6, h),
+            ("swiglu_bwd", lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, 128, True), m * hh * 10,
+             lambda: K.swiglu_bwd(da, h, src, tbl32, b_2h, 32, True), m * hh * 10, h)],
+        "dispatch": [("dispatch", lambda: K.dispatch(x, src, tbl, k, o_d, 128, True), m * d * 4,
+                      None, 0, y)],
+        "combine": [("combine_bwd",
                      lambda: K.combine_bwd(dout, y, w, src, tbl, k, o_d, part, 128, True),
-                     m * d * 6)],
+                     m * d * 6, None, 0, y)],
     }
+    if once:
+        for kind in kinds:
+            for _, fn, _, twin, _, _ in cases[kind]:
+                fn()
+                if twin is not None:
+                    twin()
+        torch.cuda.synchronize()
+        return
+    if parts and "swiglu" in kinds:  # the shipped 1x128 tiling with a subset of the outputs
+        for what, keys in (("outputs: BF16 only", ("bf16",)), ("outputs: rowwise only",
+                           ("qrow", "srow")), ("outputs: columnwise only", ("qcol", "scol"))):
+            oh = {kk: v for kk, v in o_h.items() if kk in keys} if keys[0] != "bf16" else b_h
+            o2 = ({kk: v for kk, v in o_2h.items() if kk in keys} if keys[0] != "bf16"
+                  else b_2h)
+            _line(name, "swiglu_fwd", what,
+                  _ms(lambda oh=oh: K.swiglu_fwd(h, src, tbl, oh, 128, True)), m * hh * 6)
+            _line(name, "swiglu_bwd", what,
+                  _ms(lambda o2=o2: K.swiglu_bwd(da, h, src, tbl, o2, 128, True)), m * hh * 10)
     for kind in kinds:
-        for table, kern, fn, nbytes in cases[kind]:
+        for kern, fn, nbytes, twin, twin_bytes, src_t in cases[kind]:
+            _line(name, kern, f"ceiling: clone {tuple(src_t.shape)}", _ms(src_t.clone),
+                  src_t.numel() * 4)
+            if twin is not None:
+                _line(name, kern, "BF16 twin's kernel", _ms(twin), twin_bytes)
+            table = K.ROW_TILING[kern]
             shipped = table[128]
-            for setting in SETTINGS[kind]:
+            for setting in _settings(K, kind):
                 table[128] = setting
-                ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-                rb, warps, *regs = setting
-                print(f"{name:8s} {kern:12s} rows {rb:4d} warps {warps:3d} maxnreg "
-                      f"{regs[0] if regs else '-':>3} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s",
-                      flush=True)
+                what = f"rows {setting.rows} warps {setting.warps} maxnreg {setting.maxnreg or '-'}"
+                _line(name, kern, what, _ms(fn), nbytes)
             table[128] = shipped
 
 
@@ -69,10 +122,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="mixtral,dsv3")
     ap.add_argument("--kernels", default="swiglu,dispatch,combine")
+    ap.add_argument("--module", default="moe_mxfp8.kernels.datapath_triton")
+    ap.add_argument("--parts", action="store_true",
+                    help="also the shipped SwiGLU tiling with one kind of output at a time")
+    ap.add_argument("--once", action="store_true", help="one launch of each kernel (profilers)")
     args = ap.parse_args()
+    K = importlib.import_module(args.module)
     torch.manual_seed(0)
     for name in args.shapes.split(","):
-        sweep(name, args.kernels.split(","))
+        sweep(K, name, args.kernels.split(","), args.parts, args.once)
 
 
 if __name__ == "__main__":
