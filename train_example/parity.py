@@ -5,7 +5,8 @@
 
 Writes to ``--out``: ``bf16/`` and ``mxfp8/`` (each run's log.csv, checkpoint), ``loss.csv``
 (both curves side by side), ``loss.png`` (train and validation curves and their relative
-difference), ``summary.json``; prints one verdict line. Exit code 0 on PASS, 1 on FAIL, 2 when the
+difference, the BF16 repeats' too; its title leads with the verdict the exit code follows),
+``summary.json``; prints one verdict line. Exit code 0 on PASS, 1 on FAIL, 2 when the
 plot cannot be drawn (matplotlib missing; the CSV and summary are written first), 130 on Ctrl-C.
 
 An ``--out`` holding an earlier comparison is refused unless ``--resume`` (continue it: finished
@@ -187,8 +188,10 @@ MARKERS = {"mxfp8": "o", "bf16": "x"}
 DRAW_ORDER = ("mxfp8", "bf16")  # later on top
 
 
-def figure(rows: list[dict], verdict: dict, title: str):
-    """The parity figure: train curves (raw and EMA), validation curves, relative difference."""
+def figure(rows: list[dict], verdict: dict, title: str, repeats: list[list[dict]] = ()):
+    """The parity figure: train curves (raw and EMA), validation curves, relative difference.
+    ``repeats``: `compare` rows of each BF16 repeat against the first BF16 run (their ``mxfp8_*``
+    fields hold the repeat), drawn thin and gray with the tolerance the repeats widened."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,6 +209,13 @@ def figure(rows: list[dict], verdict: dict, title: str):
                   label=f"{p} (EMA {verdict['curve']['ema_beta']})")
         ax_v.plot(vsteps, [r[f"{p}_val"] for r in vrows], **st, marker=MARKERS[p], ms=4,
                   label=p)
+    for i, rep in enumerate(repeats, start=1):
+        rv = [r for r in rep if r["mxfp8_val"] is not None]
+        kw = {"color": "gray", "lw": 0.9, "alpha": 0.8, "zorder": 1}
+        ax_v.plot([r["step"] for r in rv], [r["mxfp8_val"] for r in rv], ls=":", **kw,
+                  label="bf16 repeats" if i == 1 else None)
+        ax_d.plot([r["step"] for r in rv], [100 * r["val_rel_diff"] for r in rv], ls=":", **kw,
+                  label="bf16 repeat - bf16 (validation)" if i == 1 else None)
     ax_t.set_ylabel("train loss (nats/byte)")
     ax_t.set_title(title)
     ax_v.set_ylabel("validation loss (nats/byte)")
@@ -216,6 +226,11 @@ def figure(rows: list[dict], verdict: dict, title: str):
     tol = 100 * verdict["curve"]["tolerance"]
     for y in (-tol, tol):
         ax_d.axhline(y, color="gray", ls="--", lw=0.8)
+    if "within_bf16_noise" in verdict:
+        wide = 100 * verdict["within_bf16_noise"]["curve_tolerance"]
+        if wide > tol:
+            for y in (-wide, wide):
+                ax_d.axhline(y, color="tab:orange", ls="--", lw=0.8)
     ax_d.axhline(0, color="black", lw=0.5)
     ax_d.set_ylabel("(mxfp8 - bf16) / bf16  [%]")
     ax_d.set_xlabel("step")
@@ -228,7 +243,8 @@ def figure(rows: list[dict], verdict: dict, title: str):
     return fig
 
 
-def plot(path: Path, rows: list[dict], verdict: dict, title: str) -> None:
+def plot(path: Path, rows: list[dict], verdict: dict, title: str,
+         repeats: list[list[dict]] = ()) -> None:
     """Write `figure` to ``path``; RuntimeError (`PLOT_HINT`) without matplotlib."""
     try:
         import matplotlib  # noqa: F401
@@ -236,9 +252,20 @@ def plot(path: Path, rows: list[dict], verdict: dict, title: str) -> None:
         raise RuntimeError(PLOT_HINT) from e
     import matplotlib.pyplot as plt
 
-    fig = figure(rows, verdict, title)
+    fig = figure(rows, verdict, title, repeats)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def headline(v: dict) -> str:
+    """The plot's verdict line: the one the exit code follows first (within BF16's run-to-run
+    noise when BF16 was repeated), then the single-run criteria."""
+    single = f"single-run criteria: {'PASS' if v['pass'] else 'FAIL'}"
+    if "within_bf16_noise" not in v:
+        return single.replace("single-run criteria: ", "")
+    w, n = v["within_bf16_noise"], v["bf16_noise"]["repeats"]
+    return (f"within BF16 run-to-run noise ({n} repeat{'s' if n > 1 else ''}): "
+            f"{'PASS' if w['pass'] else 'FAIL'}   ({single})")
 
 
 def verdict_line(v: dict) -> str:
@@ -315,8 +342,10 @@ def _main(argv: list[str]) -> int:
         wall[p] = _train(common, p, out / p, args, f"{p} ({i}/{n_runs}) ")
         logs[p] = T.read_log(out / p / "log.csv")
     rows, verdict = compare(logs, tc.steps, tc.warmup_steps, args)
+    repeats = []
     if args.bf16_repeat > 0:
-        verdict.update(bf16_noise(common, out, logs["bf16"], tc, args, verdict))
+        noise, repeats = bf16_noise(common, out, logs["bf16"], tc, args, verdict)
+        verdict.update(noise)
     _current_run = "the comparison (both runs are complete)"
 
     dev = args.device
@@ -346,9 +375,9 @@ def _main(argv: list[str]) -> int:
     if "bf16_noise" in verdict:
         print(noise_line(verdict), flush=True)
     title = (f"MXFP8 vs BF16 MoE LM, preset {args.preset}, {tc.steps} steps, {device_name}\n"
-             f"{'PASS' if verdict['pass'] else 'FAIL'}")
+             f"{headline(verdict)}")
     try:
-        plot(out / "loss.png", rows, verdict, title)
+        plot(out / "loss.png", rows, verdict, title, repeats)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -359,17 +388,27 @@ def _main(argv: list[str]) -> int:
 
 
 def bf16_noise(common: list[str], out: Path, bf16_log: list[dict], tc, args,
-               verdict: dict) -> dict:
-    """Train BF16 ``args.bf16_repeat`` more times; the same criteria of each repeat against the
-    first BF16 run are the noise floor. Returns ``bf16_noise`` and ``within_bf16_noise``."""
-    finals, curves = [], []
+               verdict: dict) -> tuple[dict, list[list[dict]]]:
+    """Train BF16 ``args.bf16_repeat`` more times, then `noise_verdict` of their logs."""
     n_runs = len(PRECISIONS) + args.bf16_repeat
+    rep_logs = []
     for i in range(1, args.bf16_repeat + 1):
         run_dir = out / f"bf16_repeat{i}"
         _train(common, "bf16", run_dir, args,
                f"bf16 repeat {i} ({len(PRECISIONS) + i}/{n_runs}) ")
-        _, v = compare({"bf16": bf16_log, "mxfp8": T.read_log(run_dir / "log.csv")},
-                       tc.steps, tc.warmup_steps, args)
+        rep_logs.append(T.read_log(run_dir / "log.csv"))
+    return noise_verdict(bf16_log, rep_logs, tc.steps, tc.warmup_steps, args, verdict)
+
+
+def noise_verdict(bf16_log: list[dict], rep_logs: list[list[dict]], steps: int, warmup: int,
+                  args, verdict: dict) -> tuple[dict, list[list[dict]]]:
+    """The same criteria of each BF16 repeat against the first BF16 run are the noise floor.
+    Returns ``bf16_noise`` and ``within_bf16_noise``, and each repeat's `compare` rows (for the
+    plot)."""
+    finals, curves, reps = [], [], []
+    for rep_log in rep_logs:
+        rep_rows, v = compare({"bf16": bf16_log, "mxfp8": rep_log}, steps, warmup, args)
+        reps.append(rep_rows)
         finals.append(v["final"]["rel_diff"])
         curves.append(max(v["curve"]["max_abs_rel_diff_train_ema"],
                           v["curve"]["max_abs_rel_diff_val"]))
@@ -380,12 +419,12 @@ def bf16_noise(common: list[str], out: Path, bf16_log: list[dict], tc, args,
     final_ok = abs(verdict["final"]["rel_diff"]) <= final_tol
     curve_ok = mx_curve <= curve_tol
     return {
-        "bf16_noise": {"repeats": args.bf16_repeat, "final_rel_diff": finals,
+        "bf16_noise": {"repeats": len(rep_logs), "final_rel_diff": finals,
                        "max_abs_rel_diff_curve": curves},
         "within_bf16_noise": {"pass": final_ok and curve_ok, "final_tolerance": final_tol,
                               "curve_tolerance": curve_tol, "final_pass": final_ok,
                               "curve_pass": curve_ok},
-    }
+    }, reps
 
 
 def noise_line(v: dict) -> str:

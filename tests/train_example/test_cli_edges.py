@@ -386,6 +386,33 @@ def test_parity_overwrite_and_missing_matplotlib_hint(parity_done, tmp_path, mon
     assert not (out / "bf16_repeat1").exists()
 
 
+def test_loss_plot_shows_the_verdict_the_exit_code_follows(parity_done):
+    """With BF16 repeats the title leads with the within-noise verdict (the exit code's), then
+    the single-run one; the repeats are drawn in the validation and difference panels, and a
+    widened tolerance as its own lines."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    logs = {p: T.read_log(parity_done / p / "log.csv") for p in parity.PRECISIONS}
+    args = parity.build_parser().parse_args([*MICRO, "--out", "x"])
+    rows, verdict = parity.compare(logs, STEPS, 2, args)
+    assert parity.headline(verdict) in ("PASS", "FAIL")  # no repeats: the single-run verdict
+    # the MXFP8 run standing in for a BF16 repeat: its noise is the MXFP8-vs-BF16 difference,
+    # so the within-noise verdict passes whatever the single-run one says
+    noise, reps = parity.noise_verdict(logs["bf16"], [logs["mxfp8"]], STEPS, 2, args, verdict)
+    verdict.update(noise)
+    line = parity.headline(verdict)
+    assert line.startswith("within BF16 run-to-run noise (1 repeat): PASS"), line
+    assert f"(single-run criteria: {'PASS' if verdict['pass'] else 'FAIL'})" in line
+    fig = parity.figure(rows, verdict, line, reps)
+    try:
+        _, ax_val, ax_diff = fig.axes
+        assert "bf16 repeats" in [ln.get_label() for ln in ax_val.get_lines()]
+        assert any(ln.get_label().startswith("bf16 repeat") for ln in ax_diff.get_lines())
+    finally:
+        plt.close(fig)
+
+
 def test_loss_plot_keeps_both_curves_visible(parity_done):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
