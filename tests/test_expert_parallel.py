@@ -200,6 +200,13 @@ def _worker(rank: int, ws: int, port: int, seed: int, pg_backend: str = "gloo") 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Every check passed: leave without C++ static destructors. Under load a gloo transport
+    # thread could still be joinable at interpreter exit even after the barrier, and a joinable
+    # std::thread's destructor aborts the process (SIGABRT after all checks had passed, seen
+    # once more in a clean-clone CI run on 2026-11-26).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
