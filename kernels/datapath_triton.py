@@ -464,21 +464,24 @@ def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, 
     else:
         cols, cmask = _cols(H, CB)
         feats = cols
-    if RB == ABLK and not JOINT:  # one tile: dgate's copies out before dup's are made
+    base = tiles * RP * 4
+    if RB == ABLK:  # one tile: each half's copies out before the next is made
         rows, rmask = _chunk(rs, re, 0, RB)
         dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H, INTERP)
-        base = tiles * RP * 4
-        _tile_copies(dg, rows, rmask, prow0, cols, cmask, 0, H, 2 * H, qr_ptr, sr_ptr, out_ptr,
-                     qc_ptr, sc_ptr, M, base, lblk, nblk, re - rs, QROW, QCOL, BF16, INTERP, RB,
-                     CB, ABLK)
-        _tile_copies(dup, rows, rmask, prow0, cols, cmask, H, H, 2 * H, qr_ptr, sr_ptr, out_ptr,
-                     qc_ptr, sc_ptr, M, base, lblk, nblk, re - rs, QROW, QCOL, BF16, INTERP, RB,
-                     CB, ABLK)
+        if JOINT:
+            _tile_copies(tl.where((cols < H)[None, :], dg, dup), rows, rmask, prow0, cols, cmask,
+                         0, 2 * H, 2 * H, qr_ptr, sr_ptr, out_ptr, qc_ptr, sc_ptr, M, base,
+                         lblk, nblk, re - rs, QROW, QCOL, BF16, INTERP, RB, CB, ABLK)
+        else:
+            _tile_copies(dg, rows, rmask, prow0, cols, cmask, 0, H, 2 * H, qr_ptr, sr_ptr,
+                         out_ptr, qc_ptr, sc_ptr, M, base, lblk, nblk, re - rs, QROW, QCOL, BF16,
+                         INTERP, RB, CB, ABLK)
+            _tile_copies(dup, rows, rmask, prow0, cols, cmask, H, H, 2 * H, qr_ptr, sr_ptr,
+                         out_ptr, qc_ptr, sc_ptr, M, base, lblk, nblk, re - rs, QROW, QCOL, BF16,
+                         INTERP, RB, CB, ABLK)
         return
     amax_g = tl.zeros((CB,), dtype=tl.int32)  # JOINT: of dh
     amax_u = tl.zeros((CB,), dtype=tl.int32)
-    dg = tl.zeros((RB, CB), dtype=tl.float32)  # the last chunk's (the block's, 32-row blocks)
-    dup = tl.zeros((RB, CB), dtype=tl.float32)
     for c in range(ABLK // RB):
         rows, rmask = _chunk(rs, re, c, RB)
         dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H, INTERP)
@@ -496,16 +499,14 @@ def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, 
             if not JOINT:
                 amax_u = tl.maximum(amax_u, _col_amax(dup))
     if QCOL:
-        base = tiles * RP * 4
         byte_g, inv_g = _scale_from_amax(amax_g)
         byte_u, inv_u = _scale_from_amax(amax_u)
-        for c in range(ABLK // RB):
+        for c in range(ABLK // RB):  # recompute (inputs from L2): no 128 rows in registers
             rows, rmask = _chunk(rs, re, c, RB)
-            if ABLK != RB:  # recompute (inputs from L2) rather than hold the whole block
-                dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H,
-                                           INTERP)
-                if JOINT:
-                    dg = tl.where((cols < H)[None, :], dg, dup)
+            dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H,
+                                       INTERP)
+            if JOINT:
+                dg = tl.where((cols < H)[None, :], dg, dup)
             _store_cols(dg, inv_g, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
             if not JOINT:
                 _store_cols(dup, inv_u, rows, rmask, cols + H, cmask, qc_ptr, M, INTERP)
