@@ -284,6 +284,17 @@ def row_walk(K, walk: str | None):
             K.ROW_TILING[n][128] = t
 
 
+def poisoned_outputs(m: int, f: int, e: int, like, keep_bf16: bool = True) -> dict:
+    """The row kernels' outputs (`DP._outputs`, both quantized copies) with every data byte
+    poisoned, so that a byte a kernel fails to write cannot pass for a right one."""
+    o = DP._outputs(m, f, e, True, True, keep_bf16, like)
+    o["qrow"].fill_(0xAB)
+    o["qcol"].fill_(0xAB)
+    if keep_bf16:
+        o["bf16"].fill_(float("nan"))
+    return o
+
+
 def check_kernels_against_references(gen, device, t, k, e, d, hh, align, exact_silu_bwd=True,
                                      scale_blocks="1x32", walk=None):
     """Every kernel with every output poisoned, vs its reference on the same device, in the
@@ -302,18 +313,11 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     m = src.numel()
     tbl = DP.block_table(offs, m, ablk)
 
-    def outs(f):
-        o = DP._outputs(m, f, e, True, True, True, src)
-        o["qrow"].fill_(0xAB)
-        o["qcol"].fill_(0xAB)
-        o["bf16"].fill_(float("nan"))
-        return o
-
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(BF16).to(device)
 
     x = rnd(t, d)
-    o = outs(d)
+    o = poisoned_outputs(m, d, e, src)
     K.dispatch(x, src, tbl, k, o, ablk, aligned)
     got, ref = DP._wrap(o, offs), DP.dispatch_ref(x, src, offs, k, keep_bf16=True,
                                                   scale_blocks=sb)
@@ -327,7 +331,7 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     assert torch.equal(dx, DP.dispatch_backward_ref(dxs, rows))
 
     h = rnd(m, 2 * hh, scale=3.0)
-    o = outs(hh)
+    o = poisoned_outputs(m, hh, e, src)
     K.swiglu_fwd(h, src, tbl, o, ablk, aligned)
     got, ref = DP._wrap(o, offs), DP.swiglu_ref(h, src, offs, keep_bf16=True, scale_blocks=sb)
     assert torch.equal(got[2], ref[2]), "swiglu BF16"
@@ -335,7 +339,7 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     assert_mx_equal(got[1], ref[1], "swiglu colwise")
 
     da = rnd(m, hh)
-    o = outs(2 * hh)
+    o = poisoned_outputs(m, 2 * hh, e, src)
     K.swiglu_bwd(da, h, src, tbl, o, ablk, aligned)
     got = DP._wrap(o, offs)
     ref = DP.swiglu_backward_ref(da, h, src, offs, keep_bf16=True, scale_blocks=sb)
@@ -358,7 +362,7 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     assert torch.equal(out, DP.combine_ref(y, rows, w))
 
     dout = rnd(t, d)
-    o = outs(d)
+    o = poisoned_outputs(m, d, e, src)
     part = torch.full((-(-d // K.COL_TILE), m), float("nan"), device=device)
     K.combine_bwd(dout, y, w, src, tbl, k, o, part, ablk, aligned)
     got = DP._wrap(o, offs)
@@ -487,13 +491,13 @@ def test_gpu_kernels_nonfinite_blocks(gen, scale_blocks):
         idx = torch.randint(flat.numel(), (12,), generator=gen).cuda()
         flat[idx] = torch.tensor([float("inf"), -float("inf"), float("nan")] * 4, dtype=BF16,
                                  device="cuda")
-    o = DP._outputs(m, d, e, True, True, False, src)
+    o = poisoned_outputs(m, d, e, src, keep_bf16=False)
     K.dispatch(x, src, tbl, k, o, ablk, True)
     got, ref = DP._wrap(o, offs), DP.dispatch_ref(x, src, offs, k, scale_blocks=sb)
     assert (got[0].scale == 0xFF).any(), "no non-finite block was made"
     _assert_mx_same_values(got[0], ref[0], "dispatch rowwise")
     _assert_mx_same_values(got[1], ref[1], "dispatch colwise")
-    o = DP._outputs(m, hh, e, True, True, False, src)
+    o = poisoned_outputs(m, hh, e, src, keep_bf16=False)
     K.swiglu_fwd(h, src, tbl, o, ablk, True)
     got, ref = DP._wrap(o, offs), DP.swiglu_ref(h, src, offs, scale_blocks=sb)
     _assert_mx_same_values(got[0], ref[0], "swiglu rowwise")
