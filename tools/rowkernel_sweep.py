@@ -94,11 +94,13 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
         torch.cuda.synchronize()
         return
     if parts and "swiglu" in kinds:  # the shipped 1x128 tiling with a subset of the outputs
-        for what, keys in (("outputs: BF16 only", ("bf16",)), ("outputs: rowwise only",
-                           ("qrow", "srow")), ("outputs: columnwise only", ("qcol", "scol"))):
-            oh = {kk: v for kk, v in o_h.items() if kk in keys} if keys[0] != "bf16" else b_h
-            o2 = ({kk: v for kk, v in o_2h.items() if kk in keys} if keys[0] != "bf16"
-                  else b_2h)
+        def only(outs, keys):
+            return {kk: outs[kk] for kk in keys}
+        for what, oh, o2 in (("outputs: BF16 only", b_h, b_2h),
+                             ("outputs: rowwise only", only(o_h, ("qrow", "srow")),
+                              only(o_2h, ("qrow", "srow"))),
+                             ("outputs: columnwise only", only(o_h, ("qcol", "scol")),
+                              only(o_2h, ("qcol", "scol")))):
             _line(name, "swiglu_fwd", what,
                   _ms(lambda oh=oh: K.swiglu_fwd(h, src, tbl, oh, 128, True)), m * hh * 6)
             _line(name, "swiglu_bwd", what,

@@ -260,12 +260,12 @@ def plot(path: Path, rows: list[dict], verdict: dict, title: str,
 def headline(v: dict) -> str:
     """The plot's verdict line: the one the exit code follows first (within BF16's run-to-run
     noise when BF16 was repeated), then the single-run criteria."""
-    single = f"single-run criteria: {'PASS' if v['pass'] else 'FAIL'}"
+    single = "PASS" if v["pass"] else "FAIL"
     if "within_bf16_noise" not in v:
-        return single.replace("single-run criteria: ", "")
+        return single
     w, n = v["within_bf16_noise"], v["bf16_noise"]["repeats"]
     return (f"within BF16 run-to-run noise ({n} repeat{'s' if n > 1 else ''}): "
-            f"{'PASS' if w['pass'] else 'FAIL'}   ({single})")
+            f"{'PASS' if w['pass'] else 'FAIL'}   (single-run criteria: {single})")
 
 
 def verdict_line(v: dict) -> str:
