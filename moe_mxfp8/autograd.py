@@ -51,17 +51,16 @@ from torch import Tensor
 
 from . import checks as C
 from . import layout as L
+from .checks import COMPUTE_DTYPE
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .kernels.mx_format import K_GROUP_ALIGN
-from .mx_tensor import MXFP8Tensor
+from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
 from .reference import SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 
 WGRAD_MODES = ("mxfp8", "bf16")
 WEIGHT_BLOCKS = ("1x32", "32x32")  # the older `weight_blocks` name of two of SCALE_BLOCKS
-COMPUTE_DTYPE = torch.bfloat16  # the dtype of x, w_t, the output and both gradients
-FP8 = torch.float8_e4m3fn
 
 
 def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:

@@ -53,18 +53,17 @@ from torch import Tensor
 from . import layout as L
 from . import reference as R
 from .backend import _warn_once
+from .checks import PRECISIONS
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 from .kernels.mx_format import padded_extent as mx_padded_extent
-from .mx_tensor import MXFP8Tensor
+from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_weights
 
 BF16 = torch.bfloat16
 WGRAD_MODES = ("mxfp8", "bf16")
 WEIGHT_BLOCKS = ("1x32", "32x32")  # the older name's values (scale_blocks covers them)
-FP8 = torch.float8_e4m3fn
-PRECISIONS = ("mxfp8", "bf16")
 
 
 # ---------------------------------------------------------------------------------------------

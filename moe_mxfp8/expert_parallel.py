@@ -70,13 +70,13 @@ from torch import Tensor
 
 from . import datapath as DP
 from . import layout as L
+from .checks import COMPUTE_DTYPE
+from .mx_tensor import FP8
 from .quantize import quantize_rowwise
 from .reference import e8m0_to_float32
 
 EP_PAYLOADS = ("mxfp8", "bf16")
 EXPERT_PARAMS = ("w_gate_up", "w_down")  # sharded on dim 0; every other parameter is replicated
-COMPUTE_DTYPE = torch.bfloat16
-FP8 = torch.float8_e4m3fn
 
 
 # ---------------------------------------------------------------------------------------------

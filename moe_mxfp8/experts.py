@@ -39,9 +39,7 @@ from .autograd import (
     check_weight_blocks,
     grouped_mm,
 )
-
-PRECISIONS = ("mxfp8", "bf16")
-COMPUTE_DTYPE = torch.bfloat16
+from .checks import COMPUTE_DTYPE, PRECISIONS
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -49,13 +49,12 @@ from .autograd import (
     resolve_scale_blocks,
 )
 from .backend import check_backend_name
+from .checks import COMPUTE_DTYPE, PRECISIONS
 from .kernels.mx_format import K_GROUP_ALIGN
 
-PRECISIONS = ("mxfp8", "bf16")
 SCORE_FUNCS = ("softmax", "sigmoid")
 PARAM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-COMPUTE_DTYPE = torch.bfloat16  # expert GEMMs and activations run in BF16 (MXFP8 inside GEMMs)
 TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 (sigmoid)
 # MXFP8 path: every expert group starts on a multiple of 16 rows (zero rows pad each group).
 # The Hopper wgrad kernel TMA-loads tokens and needs 16-byte aligned token coordinates; an

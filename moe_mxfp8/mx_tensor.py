@@ -10,6 +10,7 @@ from . import layout as L
 from .kernels.mx_format import E8M0_NAN
 
 GROUP_AXES = (None, "rows", "k", "experts")
+FP8 = torch.float8_e4m3fn  # the element dtype of every MXFP8 tensor
 
 
 def e8m0_to_float32(b: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ class MXFP8Tensor:
     block_rows: int = 1
 
     def __post_init__(self) -> None:
-        if self.data.dtype != torch.float8_e4m3fn:
+        if self.data.dtype != FP8:
             raise TypeError(f"MXFP8Tensor.data must be float8_e4m3fn, got {self.data.dtype}")
         if self.scale.dtype != torch.uint8:
             raise TypeError(f"MXFP8Tensor.scale must be uint8 E8M0 bytes, got {self.scale.dtype}")
