@@ -144,7 +144,12 @@ def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
     return row, col
 
 
-def _weight_operand(out: dict | None, names: tuple[str, str], w: torch.Tensor, axis: str):
+# one GEMM operand of the weight quantizer: (e4m3 data, packed scales), or None where not wanted
+WeightOperand = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _weight_operand(out: dict | None, names: tuple[str, str], w: torch.Tensor,
+                    axis: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One GEMM operand of expert weights ``w (E, N, K)``: e4m3 ``(E, N, K)`` (axis K) or
     ``(E, K, N)`` (axis N) and its packed scales, from ``out[names]`` or fresh."""
     e, n, k = w.shape
@@ -155,7 +160,8 @@ def _weight_operand(out: dict | None, names: tuple[str, str], w: torch.Tensor, a
     return q, s
 
 
-def _launch_weights(w: torch.Tensor, rounding: str, block_rows: int, along_k, along_n) -> None:
+def _launch_weights(w: torch.Tensor, rounding: str, block_rows: int, along_k: WeightOperand,
+                    along_n: WeightOperand) -> None:
     """The weight quantizer over ``w (E, N, K)`` viewed as ``(E*N, K)`` in groups of N: writes
     ``along_k`` and/or ``along_n`` (each a `_weight_operand` pair, or None) from one read."""
     e, n, k = w.shape
@@ -164,8 +170,10 @@ def _launch_weights(w: torch.Tensor, rounding: str, block_rows: int, along_k, al
         cols=along_n is not None, grouping="uniform", group_rows=n, col_layout="experts",
         block_rows=block_rows, col_aligned=n % VEC_BYTES == 0,
     )
-    _launch("quantize_weights", config, w.view(e * n, k), *(along_k or (None, None)),
-            *(along_n or (None, None)), None, None, e * n, e, 0, e * F.ceil_div(n, F.TILE_ROWS))
+    q_row, s_row = along_k or (None, None)
+    q_col, s_col = along_n or (None, None)
+    _launch("quantize_weights", config, w.view(e * n, k), q_row, s_row, q_col, s_col, None, None,
+            e * n, e, 0, e * F.ceil_div(n, F.TILE_ROWS))
 
 
 def quantize_weights_dual(w: torch.Tensor, *, rounding: str = "rceil", block_rows: int = 1,

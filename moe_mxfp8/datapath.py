@@ -501,7 +501,7 @@ def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, pre
         m, d, dtype=torch.int16)
 
 
-def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, offs: Tensor,
+def _weight_grad(dyc: MXFP8Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, offs: Tensor,
                  qcol: bool, scale_blocks: str, backend: str) -> Tensor:
     """A weight gradient ``dy^T @ saved`` per group: from the columnwise MXFP8 copies (``dyc``
     and the saved FP8 operand, ``qcol``) or the BF16 ones (``dyb`` and the saved int16 bits)."""

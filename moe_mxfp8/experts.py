@@ -27,6 +27,8 @@ counts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -98,7 +100,7 @@ class MXFP8GroupedExperts(nn.Module):
         self.save_colwise = bool(save_colwise)
         self.weight_blocks = weight_blocks
         self.aligned_groups = bool(aligned_groups)
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -264,7 +265,7 @@ class MXFP8MoE(nn.Module):
         self.shared_hidden_dim = num_shared_experts * hidden_dim  # torchtitan's FeedForward
         e_local = EP.setup_layer(self, ep_group, ep_payload, ep_grad_payload)  # E / ep_size
 
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.router = nn.Linear(dim, num_experts, bias=False, **factory)
         self.w_gate_up = nn.Parameter(torch.empty(e_local, 2 * hidden_dim, dim, **factory))
         self.w_down = nn.Parameter(torch.empty(e_local, dim, hidden_dim, **factory))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -157,8 +158,8 @@ def precompile(model_or_shapes, tokens: int | Iterable[int] = DEFAULT_TOKENS, *,
         if backend != "reference" and sig not in seen:
             seen.add(sig)
             todo.append(layer)
-    summary = {"kernels": 0, "compiled": 0, "loaded": 0, "seconds": 0.0, "cache_dir": None,
-               "backends": sorted(backends)}
+    summary: dict[str, Any] = {"kernels": 0, "compiled": 0, "loaded": 0, "seconds": 0.0,
+                               "cache_dir": None, "backends": sorted(backends)}
     if not todo:
         return summary
 

@@ -88,12 +88,12 @@ def _act_block(scale_blocks) -> int:
     return ACT_BLOCK[scale_blocks]
 
 
-def _row_tensor(data_scale, offs) -> MXFP8Tensor:
+def _row_tensor(data_scale: tuple[torch.Tensor, torch.Tensor], offs) -> MXFP8Tensor:
     """A rowwise kernel result ``(data, packed scales)`` as an `MXFP8Tensor`."""
     return MXFP8Tensor(*data_scale, "packed", offs, "rows" if offs is not None else None)
 
 
-def _col_tensor(data_scale, offs) -> MXFP8Tensor:
+def _col_tensor(data_scale: tuple[torch.Tensor, torch.Tensor], offs) -> MXFP8Tensor:
     """A columnwise kernel result (``x.T`` data, packed scales) as an `MXFP8Tensor`."""
     return MXFP8Tensor(*data_scale, "packed", offs, "k" if offs is not None else None)
 

@@ -71,7 +71,9 @@ def _amax_bits(x: torch.Tensor, dim) -> torch.Tensor:
     return a.view(x.dtype).to(torch.float32).view(torch.int32)
 
 
-def scale_exponent_from_amax_bits(amax_bits: torch.Tensor, rounding: str) -> torch.Tensor:
+def scale_exponent_from_amax_bits(
+    amax_bits: torch.Tensor, rounding: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 |amax| bits -> (scale byte as int32 in 0..255, unbiased exponent e as int32).
 
     For non-finite blocks the byte is 0xFF and e is 0 (elements are then unspecified).
@@ -452,13 +454,13 @@ def _dequantize_f32(t: MXFP8Tensor) -> torch.Tensor:
         rows = x.shape[0]
         rp = L.round_up(rows, L.TILE_ROWS)
         if t.scale_layout == "packed":  # group g: its own packed (Rp, KBp_g) matrix, in order
-            dense, byte = [], 0
+            parts, byte = [], 0
             for s, e in zip(bounds[:-1], bounds[1:], strict=True):
                 kb = L.ceil_div(e - s, blk)
                 kbp = L.round_up(kb, L.TILE_BLOCKS)
-                dense.append(_unpack_plain(t.scale[byte:], (), rows, kb))
+                parts.append(_unpack_plain(t.scale[byte:], (), rows, kb))
                 byte += rp * kbp
-            dense = torch.cat(dense, dim=1) if dense else t.scale.new_empty(rows, 0)
+            dense = torch.cat(parts, dim=1) if parts else t.scale.new_empty(rows, 0)
         else:
             dense = t.scale
     else:

@@ -102,6 +102,7 @@ def pipeline_problem(mode: str, n: int, k: int, out_dtype: torch.dtype, *, tile_
     (``tile_m`` 256: groups of >= 256 rows on average, the cta_group::2 choice), and a grid
     cap such that every cluster runs at least ``acc_stages + 1`` tiles and ``stages + 1``
     k-tiles (units are dealt round-robin, ``unit % clusters``). Small N/K repeat the groups."""
+    base: tuple[int, ...]
     if mode == MODE_M:
         base = (300, 0, 531) if tile_m == 256 else (130, 0, 37, 133)
     else:

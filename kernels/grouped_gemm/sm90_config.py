@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -126,7 +127,7 @@ class GroupedGemmSm90Host(GroupedGemmHost):
         (benchmarks)."""
         k128 = problem.scale_blocks == "1x128"
         wide = k128 and output_columns(problem.mode, problem.n, problem.k) > TILE_N
-        fields = dict(cluster_n=2 if problem.mode != MODE_M and k128 else 1,
+        fields: dict[str, Any] = dict(cluster_n=2 if problem.mode != MODE_M and k128 else 1,
                       tile_n=TILE_NS[1] if wide else TILE_N,
                       band_m=RASTER_BAND if k128 else 1)
         if tuning:
