@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The opening of the gpu_*.sh device scripts, sourced after their `set -uo pipefail`:
+# The opening of a device command (tools/gpu.sh, or pytest by hand), after `set -uo pipefail`:
 #   source tools/device_prelude.sh FIELDS
 # tools/device_env.sh; pytest from a carried ".pyt" where the image has none; OUT (default
 # /tmp/out, created); one line of nvidia-smi --query-gpu=FIELDS (e.g. name,driver_version).

@@ -1,6 +1,6 @@
 """What a process's first MoE forward+backward is made of (device tool).
 
-    python tools/first_run_probe.py STEPS [--json FILE] [--profile FILE] [--no-instrument]
+    python -m benchmarks.first_step STEPS [--json FILE] [--profile FILE] [--no-instrument]
 
 STEPS: comma-separated, run in order, each timed (synchronised) on the same fresh tokens:
 ``cuda`` (CUDA context + first allocation), ``layer`` (build the MXFP8 layer and its BF16
@@ -175,14 +175,56 @@ def triton_cache_files() -> int:
     return sum(len(f) for _, _, f in os.walk(d)) if os.path.isdir(d) else 0
 
 
+TABLE_ROWS = ("fill", "mxfp8", "bf16", "mxfp8+opt", "bf16+opt", "mxfp8 nopyc")
+
+
+def table(directory: str) -> None:
+    """The rows `tools/gpu.sh first-step` ran, one process each (``DIR/<row>.json``): import,
+    CUDA, optimizer, precompile, first and second step, kernels loaded, the top attributions;
+    then the second process's first MXFP8 step against the BF16 twin's in a fresh process."""
+    r = {}
+    for n in TABLE_ROWS:
+        try:
+            with open(os.path.join(directory, f"{n}.json")) as f:
+                r[n] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    print(f"{'process':12} {'import':>6} {'cuda':>5} {'optim':>5} {'precomp':>7} {'1st step':>8} "
+          f"{'2nd step':>8}  kernels / attributed")
+    for n in TABLE_ROWS:
+        if n not in r:
+            print(f"{n:12} no result")
+            continue
+        st, key = r[n]["steps"], "bf16" if n.startswith("bf16") else "mxfp8"
+        acc = sorted(r[n]["acc"].items(), key=lambda kv: -kv[1][1])[:3]
+
+        def f(s, st=st):
+            return f"{st[s]:.3f}" if s in st else "-"
+
+        print(f"{n:12} {st['import torch'] + st['import moe_mxfp8']:6.2f} {f('cuda'):>5} "
+              f"{f('optim'):>5} {f('precompile'):>7} {f(key):>8} {f(key + '_2'):>8}  "
+              f"{dict(r[n]['kernels'])} " + "; ".join(f"{k} {v[1]:.2f}" for k, v in acc))
+    for a, b in (("mxfp8", "bf16"), ("mxfp8+opt", "bf16+opt")):
+        if a in r and b in r and "mxfp8" in r[a]["steps"] and "bf16" in r[b]["steps"]:
+            x, y = r[a]["steps"]["mxfp8"], r[b]["steps"]["bf16"]
+            print(f"{a}: second-process first MXFP8 step {x:.2f} s; {b}: the BF16 twin's first "
+                  f"step in a fresh process {y:.2f} s; MXFP8 - BF16 = {x - y:+.2f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("steps")
+    ap.add_argument("steps", nargs="?")
     ap.add_argument("--json")
     ap.add_argument("--profile")
     ap.add_argument("--no-instrument", action="store_true")
     ap.add_argument("--device", default=os.environ.get("PROBE_DEVICE", "cuda"))
+    ap.add_argument("--table", metavar="DIR", help="print the table of the JSON files in DIR")
     a = ap.parse_args()
+    if a.table:
+        table(a.table)
+        return
+    if not a.steps:
+        ap.error("STEPS or --table DIR")
     if not a.no_instrument:
         instrument()
     res = {"import torch": T_TORCH, "import moe_mxfp8": T_PKG}

@@ -3,7 +3,8 @@ step, warps, registers per thread) than `kernels.datapath_triton.ROW_TILING`'s
 (device; prints ms and GB/s over the bytes each must move), next to two ceilings measured in
 the same process: a copy of the kernel's input (``torch.clone``) and the BF16 twin's kernel.
 
-    python tools/rowkernel_sweep.py [--shapes mixtral,dsv3] [--kernels swiglu,dispatch,combine]
+    python -m benchmarks.bench_rowkernels [--shapes mixtral,dsv3]
+        [--kernels swiglu,dispatch,combine]
         [--module moe_mxfp8.kernels.datapath_triton] [--parts] [--once]
 
 ``--module``: a copy of the kernel module to time instead (a diagnostic variant).

@@ -5,7 +5,7 @@ equal: ``torch._grouped_mm`` (the BF16 twin's expert GEMMs: fprop, dgrad, wgrad)
 preset's routed-row count, and one forward+backward of ``MXFP8MoE`` in each precision and
 recipe at that shape. ``--deterministic`` turns PyTorch's deterministic algorithms on first.
 
-    python tools/determinism_probe.py [--deterministic]
+    python -m benchmarks.determinism [--deterministic]
 """
 
 from __future__ import annotations

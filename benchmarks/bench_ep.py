@@ -1,7 +1,7 @@
 """Expert-parallel dispatch and layer step on the GPUs of one host (NCCL), payload MXFP8 vs BF16.
 
-    torchrun --nproc-per-node N tools/ep_bench.py [--shapes dsv3,qwen3] [--tokens T] [--json f]
-    python tools/ep_bench.py ...          # one GPU: world size 1 (NCCL loopback)
+    torchrun --nproc-per-node N -m benchmarks.bench_ep [--shapes dsv3,qwen3] [--tokens T] [--json f]
+    python -m benchmarks.bench_ep ...      # one GPU: world size 1 (NCCL loopback)
 
 Per shape (benchmarks.bench_moe_layer.SHAPES; ``--tokens`` tokens per rank, default the shape's
 tokens / world size) it prints, from rank 0:
