@@ -65,9 +65,8 @@ class RowTiling(NamedTuple):
     maxnreg: int | None = None
 
 
-# Per kernel and activation block length (H100, docs/NOTES.md "Data path in 32-row chunks",
-# "Wide tiles and banded raster", "Where the 1x128 SwiGLU kernels' time goes";
-# tools/rowkernel_sweep.py). 32-row blocks: the block at 4 warps (8 were 38-65% slower).
+# Per kernel and activation block length (H100, docs/design/datapath.md;
+# benchmarks/bench_rowkernels.py). 32-row blocks: the block at 4 warps (8 were 38-65% slower).
 # 128-row blocks: the combine backward walks 32-row chunks at 4 warps (1.2x faster than one
 # 128-row tile), re-reading them from L2; the dispatch and the SwiGLU kernels hold one 128-row
 # tile at 8 warps (dispatch 1.36x faster than 32-row chunks at dsv3, no spills; SwiGLU faster
@@ -389,7 +388,8 @@ def _exp(x, INTERP: tl.constexpr):
 def _div(a, b, INTERP: tl.constexpr):
     """IEEE fp32 division, as PyTorch's CUDA silu kernels divide: Triton's ``/`` compiles to
     the approximate ``div.full.f32`` (up to 2 ulp), which made a BF16 SwiGLU-backward value
-    differ from PyTorch's by 1 ulp for rare inputs (a 1x128 layer test seed; docs/NOTES.md)."""
+    differ from PyTorch's by 1 ulp for rare inputs (a 1x128 layer test seed;
+    docs/design/datapath.md)."""
     if INTERP:
         return a / b
     else:

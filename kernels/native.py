@@ -5,7 +5,7 @@ host launch function with the cubin embedded, whose only undefined symbols are C
 entry points that CuTeDSL's ``libcute_dsl_runtime.so`` exports. `link_shared` turns it into a
 shared library once (with the C compiler Triton also needs); `NativeKernel` loads that library
 with ``ctypes`` and calls it directly -- no ``import cutlass`` (about a second of a new
-process's first step, docs/NOTES.md "A cached kernel without CuTeDSL's import").
+process's first step; docs/design/compile_cache.md).
 
 Calling convention (the one CuTeDSL's C-header generator writes, for the prefix ``P`` given at
 export): ``_mlir_P_cuda_init(void **{&library_ptr, &err})`` once, then

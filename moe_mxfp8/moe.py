@@ -455,7 +455,7 @@ class MXFP8MoE(nn.Module):
         y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
         # Weighted sum over the k copies as multiply + sum (the sum accumulates in fp32). Not
         # einsum: that lowers to a batched GEMM per token whose backward is slow -- measured at
-        # the dsv3 shape (t=65536, k=2, d=7168, H100, tools/combine_probe.py): einsum 41.4 ms
+        # the dsv3 shape (t=65536, k=2, d=7168, H100; docs/design/datapath.md): einsum 41.4 ms
         # forward+backward, this 10.2 ms; rel. error vs fp32 2.8e-3 vs 3.4e-3 (bf16 products).
         out = (y_pairs * rearrange(weights.to(COMPUTE_DTYPE), "t k -> t k 1")).sum(dim=1)
         return self._finish(out, x_flat, x)

@@ -3,8 +3,8 @@ operator (``torch.ops.moe_mxfp8.<name>``), like ``torch.library.custom_op`` but 
 lower-level ``torch.library.Library``.
 
 Why not ``custom_op``: its backend wrapper imports ``torch._dynamo`` on the op's first call
-(``torch._compile._disable_dynamo``), 0.9 s of a new process's first step on an H100/H200 host
-(docs/NOTES.md, "What a second process's first step is made of"). An op defined here has the
+(``torch._compile._disable_dynamo``), a noticeable part of a new process's first step
+(docs/design/compile_cache.md). An op defined here has the
 same schema (inferred from the annotations by ``torch.library.infer_schema``), the same fake
 and autograd registration (``register_fake``, ``torch.library.register_autograd``) and is
 traced by ``torch.compile(fullgraph=True)`` the same way; its first call imports nothing.

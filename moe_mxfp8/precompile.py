@@ -11,8 +11,8 @@ Compiled kernels go to the persistent kernel cache (`moe_mxfp8.kernels.compile_c
 ``$MOE_MXFP8_CACHE_DIR``, default ``~/.cache/moe_mxfp8``; ``MOE_MXFP8_DISABLE_CACHE=1`` turns
 it off), so a later process loads them in milliseconds instead of compiling them again.
 
-A later process's first step still pays one-time costs that are not kernels (measured on an
-H100, docs/NOTES.md): CuTeDSL's import, Triton's per-process cache key and first launches,
+A later process's first step still pays one-time costs that are not kernels
+(docs/design/compile_cache.md): CuTeDSL's import, Triton's per-process cache key and first launches,
 cuBLAS set-up (the layer's operators do not import ``torch._dynamo``, `moe_mxfp8.op_library`).
 The warm-up pass here pays them as well, so the first training step after `precompile` runs at
 full speed.

@@ -24,8 +24,7 @@ returning wrong numbers.
 Cost per configuration: one problem of a few hundred tokens at the user's N and K, run by the
 kernel and by the fp32 reference, plus drawing and quantizing its random weights with the
 reference quantizers, the kernel's compile (which the first call pays anyway) and one host
-sync; once per process, configuration and device (estimate: docs/NOTES.md, "Blackwell grouped
-GEMM").
+sync; once per process, configuration and device (docs/design/blackwell_gemm.md).
 
 Generic: `ensure_verified` takes the kernel callable ``fn(a, b, offs, out_dtype, **launch)``
 (``launch``: ``max_clusters=`` when a problem caps the grid), so the machinery is tested on the

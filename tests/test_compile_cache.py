@@ -612,7 +612,7 @@ def test_second_process_loads_without_retrace(tmp_path):
 def test_first_step_imports_no_dynamo():
     """A new process's first forward+backward of the layer (both precisions) does not import
     torch._dynamo: the layer's operators are defined through `moe_mxfp8.op_library`, not
-    ``torch.library.custom_op``, whose first call imports it (0.9 s, docs/NOTES.md)."""
+    ``torch.library.custom_op``, whose first call imports it (docs/design/compile_cache.md)."""
     code = textwrap.dedent("""
         import sys
         import torch

@@ -421,7 +421,7 @@ _ROW_KERNELS = [("_dispatch_kernel", {}, "dispatch"),
 def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
     """Each row-block kernel compiles for sm_90 without a GPU (Triton's own ptxas), with the
     launch constants the layer uses. The dispatch keeps everything in registers in both block
-    lengths (a 128-row block: one tile at 8 warps; docs/NOTES.md)."""
+    lengths (a 128-row block: one tile at 8 warps; docs/design/datapath.md)."""
     from tests.triton_sm90 import compile_for_sm90
 
     K = _kernel_module()
@@ -476,7 +476,7 @@ def _assert_mx_same_values(a, b, what):
 def test_gpu_kernels_nonfinite_blocks(gen, scale_blocks):
     """Inf and NaN inputs: the blocks holding them get scale 0xFF exactly as the reference
     quantizer gives them, and every other block's bytes are the reference's (the GPU kernels
-    let the hardware conversion saturate instead of clamping first; docs/NOTES.md)."""
+    let the hardware conversion saturate instead of clamping first; docs/design/datapath.md)."""
     K = _kernel_module()
     sb, ablk = scale_blocks, R.ACT_BLOCK[scale_blocks]
     t, k, e, d, hh, align = 300, 2, 8, 256, 256, 128

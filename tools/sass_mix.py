@@ -21,7 +21,7 @@ nvidia-cutlass-dsl and ``nvdisasm``: ``pip install nvidia-cuda-nvdisasm``). Meth
    on 4 SMSPs = 2) at 1 instr/cycle (producer and scale warps left out). Tensor-core time of a
    k-tile = 2 TILE_M TILE_N TILE_K / (dense FP8 FLOP per SM-cycle = 1979e12 / 132 SMs /
    1.83e9 Hz = 8192, H100 SXM spec at boost clock) = 512 cycles for 128x128x128. A ratio > 1:
-   the consumers' issue alone outlasts the MMAs (and it does not hide: docs/NOTES.md).
+   the consumers' issue alone outlasts the MMAs (and it does not hide: docs/design/hopper_gemm.md).
 5. regs = ptxas' allocation (``.nv.info`` REGCOUNT) and the ``USETMAXREG`` values (producer /
    consumer warpgroups); hi reg = highest register the loop names (vector loads and the QGMMA
    accumulator at full width); spills = LDL/STL anywhere in the kernel.

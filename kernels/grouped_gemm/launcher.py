@@ -73,10 +73,9 @@ def compile_config(kernel_cls, config, options: str | None = None, stream=None):
 def _max_active_clusters(index: int, cluster_size: int) -> int:
     """Clusters of ``cluster_size`` CTAs (one CTA per SM) the GPU runs at once: a persistent
     grid larger than that would leave whole clusters waiting for a second wave. The driver
-    query loads a probe kernel through CuTeDSL (0.2 s of a new process's first step, docs/NOTES.md
-    "What a second process's first step is made of"): once per GPU and cluster size, kept on
-    disk (`compile_cache.device_fact`), and never for single-CTA clusters, which are one per SM
-    by construction."""
+    query loads a probe kernel through CuTeDSL (docs/design/compile_cache.md): once per GPU
+    and cluster size, kept on disk (`compile_cache.device_fact`), and never for single-CTA
+    clusters, which are one per SM by construction."""
     props = torch.cuda.get_device_properties(index)
     sms = props.multi_processor_count
     if cluster_size == 1:

@@ -306,8 +306,8 @@ def align_k_groups(a_data: torch.Tensor, b_data: torch.Tensor, offs: torch.Tenso
     No host sync and static shapes (CUDA graphs, ``torch.compile(fullgraph=True)``): one
     index computation (O(Mp + E) int64, shared by both operands), then per operand one
     ``index_select`` along the tokens (reads the ``M`` source columns once, writes ``Mp``) and an
-    ``index_fill_`` of the ``Mp - M`` gap columns. fp8 moves as uint8. Its cost is measured in
-    docs/NOTES.md ("Layer and API facts, second version").
+    ``index_fill_`` of the ``Mp - M`` gap columns. fp8 moves as uint8. Its cost:
+    docs/design/hopper_gemm.md ("K-grouped alignment").
     """
     if a_data.dim() != 2 or b_data.dim() != 2 or a_data.shape[1] != b_data.shape[1]:
         raise ValueError(f"align_k_groups needs (N, M) and (K, M) data, got "

@@ -98,7 +98,7 @@ class GroupedTileSchedule:
         walked one after the other, each x-granule by x-granule (``x_granule`` adjacent nt)
         with the band's rows fastest: the CTAs running at once then share a few B tiles
         instead of streaming all of B once per row of tiles, which at large sizes does not
-        fit in L2 (docs/NOTES.md, "Wide tiles and banded raster")."""
+        fit in L2 (docs/design/hopper_gemm.md, "1x128 specifics")."""
         _, base, t0, t1, _ = cur
         local = unit - base
         if cutlass.const_expr(self.band_m == 1):

@@ -7,7 +7,7 @@ heuristics; the problem and operand checks (`problem.py`), the tile walk over ``
 groupings (`problem.py`): M-grouped (fprop/dgrad) and K-grouped (wgrad, zeros for an empty
 group).
 
-Design (details in docs/NOTES.md, "Blackwell grouped GEMM"):
+Design (details in docs/design/blackwell_gemm.md):
 
 * Warp-specialised and persistent: warps 0-3 epilogue (TMEM -> registers -> SMEM -> TMA store),
   warp 4 MMA (one thread issues tcgen05.mma), warp 5 TMA loads. Every role walks the same

@@ -18,8 +18,8 @@ overlap this tile's epilogue):
   K-grouped groups whose first token is not 16-byte aligned cannot be TMA'd (Hopper traps with
   "illegal instruction" on an unaligned innermost TMA coordinate, seen on the device): for
   those this warp copies the window itself (4-byte loads + funnel shift, `copy_producer`) --
-  correct but much slower (docs/NOTES.md); the launcher avoids it by re-laying the groups out
-  first (`problem.align_k_groups`);
+  correct but much slower (docs/design/hopper_gemm.md); the launcher avoids it by re-laying
+  the groups out first (`problem.align_k_groups`);
 * warps 1-3 (scales, k-tiles round-robin): read the two 512-byte packed scale tiles of each
   k-tile (one packed tile is exactly 128 rows x 4 blocks = one k-tile, see
   `problem.scale_tile_index`), convert the E8M0 bytes to fp32 and write them to smem in the
@@ -37,7 +37,7 @@ Group structure comes from ``offs`` on the device (no host sync, `schedule.py`).
 group's last k-tile reads the next group's tokens, which are zeroed in smem (both operands, so
 garbage x 0 cannot make NaN) before the wgmma, with ``fence.proxy.async``.
 
-What limits it (measured on an H100, docs/NOTES.md "Hopper grouped GEMM"): the promotion's
+What limits it (measured on an H100, docs/design/hopper_gemm.md): the promotion's
 instruction issue adds to the MMA time instead of hiding under it, so the kernel runs at
 roughly (MMA + feed time) + (promotion issue time); the promotion is 1 FFMA per accumulator
 element per k=32 step in 32x32 mode and 2 FP32 ops (+ scale loads) in 1x32 mode.
@@ -56,8 +56,8 @@ default its output tiles are 128 x 256 (``tile_n``; two column halves of one wgm
 each, two 64 x 128 accumulators and one temporary per consumer thread, `consumer_k128_wide`)
 walked in raster bands of 16 rows of tiles (``band_m``), so the CTAs running at once share B
 tiles in L2; 128 x 128 tiles promote k-tile 2p under the wgmmas of 2p+1 instead
-(`consumer_k128_overlapped`). What limits this recipe is measured in docs/NOTES.md ("The 1x128
-recipe on Hopper", "Wide tiles and banded raster").
+(`consumer_k128_overlapped`). What limits this recipe: docs/design/hopper_gemm.md
+("1x128 specifics").
 """
 
 from __future__ import annotations
@@ -608,7 +608,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         not overlap its own wgmmas: the other consumer warpgroup's keep the tensor cores busy
         meanwhile (its wgmmas of a half take 2-4x the promotion's issue time). Starting the
         second warpgroup half a k-tile late in each tile (a named barrier), so that the two
-        could not fall into step, measured no faster (docs/NOTES.md)."""
+        could not fall into step, measured no faster (docs/design/hopper_gemm.md)."""
         for kt in range(k_tiles):
             stage = self.wait_ktile(pipe, state, sA, sB, ct, row0, kt, k_tiles, tok_valid_last)
             for h in cutlass.range_constexpr(2):
@@ -631,9 +631,9 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
 
         Straight-line code between the issue and the last wait of a pair: an accumulator whose
         wgmma is in flight across a branch or loop edge makes ptxas serialise every wgmma
-        (seen in SASS: one ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` per wgmma, docs/NOTES.md), so
-        both stages are waited for (and tail-zeroed) before either is issued. ``rel`` trails
-        ``state`` and releases the stages in order.
+        (seen in SASS: one ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` per wgmma; docs/design/
+        hopper_gemm.md), so both stages are waited for (and tail-zeroed) before either is
+        issued. ``rel`` trails ``state`` and releases the stages in order.
         """
         rel = state.clone()
         for p in range(k_tiles // 2):

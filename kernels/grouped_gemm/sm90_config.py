@@ -20,14 +20,14 @@ DIAG_MODES = ("", "no_promote", "no_scale_wait", "promote_only")
 TILE_M = 128  # two consumer warpgroups of 64 rows; one packed scale tile's 128 rows
 TILE_N = 128  # the wgmma's N: one packed scale tile of B per k-tile
 TILE_NS = (TILE_N, 2 * TILE_N)  # output tile widths: one or two wgmma column halves
-RASTER_BAND = 16  # rows of tiles per raster band of the 1x128 kernels (docs/NOTES.md)
+RASTER_BAND = 16  # rows of tiles per raster band of the 1x128 kernels (docs/design/hopper_gemm.md)
 
 
 @dataclass(frozen=True)
 class GroupedGemmSm90Config:
     """Compile-time choices: the problem's static part (``mode``, ``n``, ``k``, ``out_dtype``,
-    ``scale_blocks``) and the tuning fields below (measured effects: docs/NOTES.md, "Hopper
-    grouped GEMM"). ``scale_blocks``: "1x32" (exact MXFP8, 2 FP32 ops per element per k=32
+    ``scale_blocks``) and the tuning fields below (measured effects: docs/design/
+    hopper_gemm.md). ``scale_blocks``: "1x32" (exact MXFP8, 2 FP32 ops per element per k=32
     step), "32x32" (M-grouped 32x32 weight tiles, 1 FFMA) or "1x128" (one promotion per
     k=128; M-grouped with 128x128 weight tiles)."""
 

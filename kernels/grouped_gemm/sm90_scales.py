@@ -143,7 +143,7 @@ class Sm90ScaleWarps:
         contiguous per thread: rows r0 = 64 cwg + 16 warp + lane/4 and r0 + 8 (h = 0, 1),
         column groups 0..3 -> ``(r0 // 16 * 8 + r0 % 8) * 8 + 4 h + cg``. Moving the 8 FMULs
         per k-step out of the consumers' promotion (whose issue time adds to the MMA time,
-        docs/NOTES.md) onto these otherwise idle warps."""
+        docs/design/hopper_gemm.md) onto these otherwise idle warps."""
         # column group cg's scale is row 32*cg of the packed B tile: lane 0, word cg
         sbw = cute.make_rmem_tensor((4,), Int32)
         for cg in cutlass.range_constexpr(SCALE_ROWS // 32):

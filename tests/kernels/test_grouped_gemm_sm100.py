@@ -413,7 +413,7 @@ blackwell = pytest.mark.skipif(not _BLACKWELL, reason="needs a Blackwell (sm_100
 ])
 def test_sm100_pipeline_selfcheck_passes_on_device(K, mode, mma_m, n, k, dt):
     """The first-use check (capped grid: ring and accumulator stages wrap) per configuration,
-    timed: its cost per configuration is printed for docs/NOTES.md."""
+    timed: its cost per configuration is printed (docs/design/blackwell_gemm.md)."""
     cfg = K.GroupedGemmSm100Config(mode, n, k, dt, mma_m, 128)
     t0 = time.perf_counter()
     selfcheck.verify_on_first_use(K.GroupedGemmSm100, cfg, "cuda")
