@@ -13,7 +13,7 @@ The three GEMMs of training run in MXFP8 with operands quantized as the contract
 quantized together with the rowwise copy in forward and saved in FP8 (default,
 ``save_colwise=True``, which keeps no BF16 ``x`` alive) or re-quantized from the saved BF16 ``x``
 in backward (``save_colwise=False``). Saving the FP8 copy is the default: at the dsv3 shape
-it takes the same time and less peak memory (measured: benchmarks/RESULTS.md).
+it takes the same time and less peak memory (docs/design/datapath.md).
 ``wgrad="bf16"`` computes the weight gradient in BF16 with ``torch._grouped_mm`` instead.
 
 ``scale_blocks`` names the scale-block recipe (one vocabulary with the quantizers and
@@ -382,7 +382,7 @@ def grouped_mm(
         weight_blocks: deprecated name of ``scale_blocks`` for ``"1x32"``/``"32x32"``.
         aligned_groups: the caller guarantees that every group starts on a multiple of 16 rows
             (as `MXFP8MoE`'s padded layout does); the wgrad kernels then skip re-laying the
-            FP8 operands out to such starts (a gather, ~6% of the wgrad GEMM at dsv3).
+            FP8 operands out to such starts (a gather; docs/design/hopper_gemm.md).
 
     Returns:
         ``(M, N)`` bfloat16. Its gradients: ``(M, K)`` for x, ``(E, K, N)`` for w_t (a transposed

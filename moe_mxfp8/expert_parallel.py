@@ -38,8 +38,8 @@ tokens) copy of ``x`` for the ``w_gate_up`` weight gradient: it is quantized fro
 tokens; likewise ``w_down``'s weight gradient with an MXFP8 ``dy`` payload. Rounding to E4M3
 twice is rounding once for every element that is normal in both blocks (a 3-bit mantissa
 relative to the element's own exponent, whatever the block scale), so only elements ~2^-14 below
-their block's maximum differ: measured 94-120 dB SQNR against the single-GPU gradient (4096
-tokens; Gaussian, Student-t(3), outlier channels). Everything else -- output, input gradient, the
+their block's maximum differ (SQNR against the single-GPU gradient:
+docs/design/expert_parallel.md, "Numerics"). Everything else -- output, input gradient, the
 other expert gradients -- is bit-identical to the single-GPU layer on the concatenated batch
 (tests/test_expert_parallel.py). With ``scale_blocks="1x128"`` the payload's 1x32 blocks are not
 the GEMM's 1x128 blocks, so an MXFP8 payload rounds the tokens once more (use ``"bf16"`` there

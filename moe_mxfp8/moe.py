@@ -80,9 +80,9 @@ class _RouterLogits(torch.autograd.Function):
     A product of two BF16 values is exact in fp32, so one BF16 GEMM with fp32 accumulation and
     fp32 output gives the logits of the fp32 router (``F.linear(x.float(), W.float())``) up to
     the order of its fp32 sums, without the fp32 copy of ``x`` that the fp32 GEMM reads, keeps
-    for backward and reads again (measured at dsv3: the fp32 router's GEMMs and casts 5.2 ms of
-    a step, the copy 1.75 GiB). Backward rounds the logits' gradient (T, E) to BF16 once and
-    runs two BF16 GEMMs with fp32 accumulation: ``dx`` in BF16 (x's dtype), ``dW`` in W's.
+    for backward and reads again (docs/design/datapath.md, "Router"). Backward rounds the
+    logits' gradient (T, E) to BF16 once and runs two BF16 GEMMs with fp32 accumulation: ``dx``
+    in BF16 (x's dtype), ``dW`` in W's.
     """
 
     @staticmethod

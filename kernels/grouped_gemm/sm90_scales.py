@@ -46,7 +46,7 @@ class Sm90ScaleWarps:
         thread's 32 columns contiguous: 8 x 16-byte loads; the 4-float pad per q keeps the four
         q-groups of a warp on different banks). 32x32: `write_products`.
         SCALE_WARPS warps take the pipeline's k-tiles round-robin: one warp's loop waits on
-        its global loads (~1 us), three keep ahead of the consumers (removing the scale work
+        its global loads, three keep ahead of the consumers (removing the scale work
         altogether, diag "no_scale_wait", did not speed up 1x32 mode).
         A 256-column tile (``halves == 2``) reads a second B tile per k-tile, starting
         at ``b_tile1`` (negative: its columns lie past N, nothing is read and its scale is 0).
