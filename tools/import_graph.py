@@ -3,7 +3,7 @@
 ``python tools/import_graph.py [--mermaid]`` parses every module of ``moe_mxfp8/`` (the API) and
 ``kernels/`` (installed as ``moe_mxfp8.kernels``) with `ast`, collects the project-internal
 imports (module level and inside functions: lazy imports are edges too) and prints the edges,
-or a Mermaid graph for docs/STRUCTURE.md. `check` returns the violations of the layering rule
+or a Mermaid graph for docs/structure.md. `check` returns the violations of the layering rule
 that tests/test_structure.py enforces: kernels never import the API above them, and no import
 cycle exists anywhere.
 """
