@@ -89,9 +89,12 @@ ep() {
   for p in 1 2 4; do
     [ "$p" -le "$ngpu" ] || continue
     echo "-- P = $p"
+    # world size 1: the EP path's own overhead (NCCL loopback) at 8192 tokens
+    local tokens=""; [ "$p" = 1 ] && tokens="--tokens ${EP_TOKENS:-8192}"
+    # shellcheck disable=SC2086
     timeout $(( $(limit ep) / 5 )) torchrun --nproc-per-node "$p" -m benchmarks.bench_ep \
-      --shapes "${EP_SHAPES:-qwen3,dsv3}" --json "$OUT/ep_$p.json" 2>&1 | grep -v "^W1" \
-      | tee "$OUT/ep_$p.txt"
+      --shapes "${EP_SHAPES:-qwen3,dsv3}" $tokens --json "$OUT/ep_$p.json" 2>&1 \
+      | grep -v "^W1" | tee "$OUT/ep_$p.txt"
   done
 }
 
