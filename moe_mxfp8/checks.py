@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.grouped_gemm.problem import check_offs  # noqa: F401  (the one offs check)
+# the one offs check, and whether a tensor's values can be read without a device sync
+from .kernels.grouped_gemm.problem import check_offs, values_on_host  # noqa: F401
 from .kernels.mx_format import KERNEL_INPUT_ALIGN, MAX_EXTENT  # noqa: F401  (the domain's edges)
 
 FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

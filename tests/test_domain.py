@@ -363,9 +363,10 @@ def _gemm_operands(mode: str):
 
 def _entry(name: str, backend: str):
     """The public entry ``name`` as a function of ``offs`` alone (everything else valid)."""
+    from moe_mxfp8.kernels.grouped_gemm import problem as GP
+
     from moe_mxfp8 import grouped_gemm as G
     from moe_mxfp8 import grouped_mm
-    from moe_mxfp8.kernels.grouped_gemm import problem as GP
 
     x, w, _ = _idx_data()
     if name == "grouped_mm":
@@ -439,9 +440,10 @@ def test_kernel_launch_reads_offs_values_not_its_storage(monkeypatch, mode):
     copy holding its values, alive through the launch."""
     import ctypes
 
-    from moe_mxfp8 import grouped_gemm as G
     from moe_mxfp8.kernels.grouped_gemm import launcher
     from moe_mxfp8.kernels.grouped_gemm import problem as GP
+
+    from moe_mxfp8 import grouped_gemm as G
 
     read = []
 
@@ -472,6 +474,110 @@ def test_kernel_offs_copies_only_a_strided_view():
     assert GP.kernel_offs(offs) is offs  # the hot path: no copy, nothing allocated
     dense = GP.kernel_offs(_strided(offs))
     assert dense.is_contiguous() and torch.equal(dense, offs)
+
+
+# The data path's stages and its routed-expert block take a route_layout layout: rows, src, offs
+
+DP_T, DP_K, DP_E, DP_D, DP_H = 6, 2, 3, 64, 32
+
+
+def _dp_layout():
+    from moe_mxfp8 import datapath as DP
+
+    ids = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1], [1, 0]])
+    counts = torch.bincount(ids.reshape(-1), minlength=DP_E)
+    return DP.route_layout(ids, counts, 16)  # rows (T, k), src (M,), offs (E,): M = 64
+
+
+def _dp_entry(name: str, backend: str = "reference"):
+    """The data-path entry ``name`` as a function of ``(rows, src, offs)``."""
+    from moe_mxfp8 import datapath as DP
+
+    m = _dp_layout()[1].numel()
+    x = _x((DP_T, DP_D), torch.bfloat16, seed=4)
+    h = _x((m, 2 * DP_H), torch.bfloat16, seed=5)
+    da = _x((m, DP_H), torch.bfloat16, seed=6)
+    y = _x((m, DP_D), torch.bfloat16, seed=7)
+    wts = torch.rand(DP_T, DP_K, generator=torch.Generator().manual_seed(8))
+    w_gu = _x((DP_E, 2 * DP_H, DP_D), torch.bfloat16, seed=9) / 8
+    w_dn = _x((DP_E, DP_D, DP_H), torch.bfloat16, seed=10) / 8
+    be = {"backend": backend}
+    return {
+        "dispatch": lambda r, s, o: DP.dispatch(x, s, o, DP_K, **be),
+        "dispatch_backward": lambda r, s, o: DP.dispatch_backward(y, r, **be),
+        "swiglu": lambda r, s, o: DP.swiglu(h, s, o, **be),
+        "swiglu_backward": lambda r, s, o: DP.swiglu_backward(da, h, s, o, **be),
+        "combine": lambda r, s, o: DP.combine(y, r, wts, **be),
+        "combine_backward": lambda r, s, o: DP.combine_backward(x, y, s, r, wts, o, **be),
+        "routed_experts": lambda r, s, o: DP.routed_experts(x, w_gu, w_dn, wts, r, s, o, **be),
+    }[name]
+
+
+DP_USES = {"dispatch": "so", "dispatch_backward": "r", "swiglu": "so", "swiglu_backward": "so",
+           "combine": "r", "combine_backward": "rso", "routed_experts": "rso"}
+
+
+def _dp_bad():
+    """(which tensor: r/s/o, a bad value for it, error type, message pattern) by name."""
+    rows, src, offs = _dp_layout()
+    m, pairs = src.numel(), rows.numel()
+    src_hi, src_lo, rows_hi = src.clone(), src.clone(), rows.clone()
+    src_hi[0], src_lo[0], rows_hi[0, 0] = pairs, -2, m
+    return {
+        "rows int64": ("r", rows.long(), TypeError, "rows must be an int32 tensor"),
+        "rows float": ("r", rows.float(), TypeError, "rows must be an int32 tensor"),
+        "rows 1D": ("r", rows.reshape(-1), ValueError, "rows must be 2D"),
+        "rows device": ("r", rows.to("meta"), ValueError, "on meta"),
+        "rows beyond M": ("r", rows_hi, ValueError, f"rows values must lie in \\[0, {m}\\)"),
+        "src int64": ("s", src.long(), TypeError, "src must be an int32 tensor"),
+        "src 2D": ("s", src[None], ValueError, "src must be 1D"),
+        "src device": ("s", src.to("meta"), ValueError, "on meta"),
+        "src length": ("s", src[:-16], ValueError, f"src has {m - 16} rows but|offs\\[-1\\]"),
+        "src beyond pairs": ("s", src_hi, ValueError, "src values must lie in"),
+        "src below -1": ("s", src_lo, ValueError, "src values must lie in"),
+        "offs int64": ("o", offs.long(), TypeError, "offs must be int32"),
+        "offs device": ("o", offs.to("meta"), ValueError, "device|on meta"),
+        "offs decreasing": ("o", offs.flip(0), ValueError, "non-decreasing"),
+        "offs short": ("o", offs - 16, ValueError, "must equal the grouped extent"),
+    }
+
+
+# SwiGLU reads only the sign of src (a pad row or not): any pair index is its answer
+DP_VALID = {(e, k) for e in ("swiglu", "swiglu_backward")
+            for k in ("src beyond pairs", "src below -1")}
+
+
+@pytest.mark.parametrize("kind", list(_dp_bad()))
+@pytest.mark.parametrize("entry", list(DP_USES))
+def test_bad_layout_one_line_on_every_backend(entry, kind):
+    which, bad, exc, match = _dp_bad()[kind]
+    if which not in DP_USES[entry]:
+        pytest.skip(f"{entry} takes no {which}")
+    args = dict(zip("rso", _dp_layout(), strict=True))
+    args[which] = bad
+    if (entry, kind) in DP_VALID:
+        _dp_entry(entry)(args["r"], args["s"], args["o"])  # accepted
+        return
+    messages = set()
+    for backend in ("reference", "auto"):
+        with pytest.raises(exc, match=match) as info:
+            _dp_entry(entry, backend)(args["r"], args["s"], args["o"])
+        messages.add(str(info.value))
+    assert len(messages) == 1 and "\n" not in messages.pop()
+
+
+@pytest.mark.parametrize("entry", list(DP_USES))
+def test_strided_layout_gives_the_contiguous_answer(entry):
+    rows, src, offs = _dp_layout()
+    strided = (rows.t().contiguous().t(), _strided(src), _strided(offs))
+    assert not any(t.is_contiguous() for t in strided)
+    got, want = (_dp_entry(entry)(*lay) for lay in (strided, (rows, src, offs)))
+    for g, w in zip(*(_outputs(r) if isinstance(r, tuple) else [r] for r in (got, want)),
+                    strict=True):
+        if g is None:
+            assert w is None
+        else:
+            assert torch.equal(g, w), entry
 
 
 # ---------------------------------------------------------------------------------------------

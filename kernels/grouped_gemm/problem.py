@@ -94,7 +94,7 @@ def check_offs(offs, extent: int, *, name: str = "offs", values: bool | None = N
         raise TypeError(f"{name} must be int32 (cumulative group ends), got {offs.dtype}")
     if offs.dim() != 1 or offs.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 1D tensor, got shape {tuple(offs.shape)}")
-    if not (_values_on_host(offs) if values is None else values):
+    if not (values_on_host(offs) if values is None else values):
         return
     o = offs.detach().to("cpu", torch.int64)
     if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0:
@@ -106,7 +106,7 @@ def check_offs(offs, extent: int, *, name: str = "offs", values: bool | None = N
         raise ValueError(f"{name}[-1] must {want} the grouped extent {extent}, got {last}")
 
 
-def _values_on_host(offs: torch.Tensor) -> bool:
+def values_on_host(offs: torch.Tensor) -> bool:
     """Whether reading ``offs``' values costs no device sync and is possible at all (not
     under ``torch.compile`` or a fake-tensor trace, where tensors have no values)."""
     if offs.device.type != "cpu" or torch.compiler.is_compiling():
