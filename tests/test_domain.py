@@ -580,6 +580,44 @@ def test_strided_layout_gives_the_contiguous_answer(entry):
             assert torch.equal(g, w), entry
 
 
+def _ep_index_cases():
+    idx = torch.tensor([3, 0, 5, 5, 1], dtype=torch.int64)
+    return {
+        "float": (idx.float(), TypeError, "index must be an int32 or int64 tensor"),
+        "2D": (idx[None], ValueError, "index must be 1D"),
+        "device": (idx.to("meta"), ValueError, "on meta"),
+        "beyond T": (idx + 1, ValueError, "index values must lie in \\[0, 6\\)"),
+        "negative": (idx - 1, ValueError, "index values must lie in"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_ep_index_cases()))
+def test_ep_payload_index_one_line(kind):
+    """The expert-parallel payload's row index (the pairs a rank sends), on every backend."""
+    from moe_mxfp8 import expert_parallel as EP
+
+    bad, exc, match = _ep_index_cases()[kind]
+    x = _x((6, 64), torch.bfloat16, seed=12)
+    messages = set()
+    for backend in ("reference", "auto"):
+        with pytest.raises(exc, match=match) as info:
+            EP.pack_mxfp8_rows(x, bad, backend)
+        messages.add(str(info.value))
+    assert len(messages) == 1 and "\n" not in messages.pop()
+
+
+def test_ep_payload_strided_index():
+    from moe_mxfp8 import expert_parallel as EP
+
+    x = _x((6, 64), torch.bfloat16, seed=12)
+    idx = torch.tensor([3, 0, 5, 5, 1], dtype=torch.int64)
+    both = torch.stack([idx, idx.flip(0)], 1)
+    assert torch.equal(EP.pack_mxfp8_rows(x, both[:, 0], "reference"),
+                       EP.pack_mxfp8_rows(x, idx, "reference"))
+    assert torch.equal(EP.pack_mxfp8_rows(x, idx.int(), "reference"),
+                       EP.pack_mxfp8_rows(x, idx, "reference"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Integer widths: sizes the kernels take as 32-bit integers are bounded where they are known
 # ---------------------------------------------------------------------------------------------
