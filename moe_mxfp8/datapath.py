@@ -66,6 +66,7 @@ WGRAD_MODES = ("mxfp8", "bf16")
 WEIGHT_BLOCKS = ("1x32", "32x32")  # the older name's values (scale_blocks covers them)
 FP8 = torch.float8_e4m3fn
 PRECISIONS = ("mxfp8", "bf16")
+INDEX_DTYPES = (torch.int32, torch.int64)  # rows / src: every backend indexes with either
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,17 +111,18 @@ def check_layout(who: str, like: Tensor, m: int, *, rows: Tensor | None = None,
                  src: Tensor | None = None, offs: Tensor | None = None,
                  pairs: int | None = None) -> None:
     """The index tensors of a `route_layout` layout of ``m`` sorted rows, as the stage ``who``
-    gets them: int32 on ``like``'s device, ``rows (T, k)``, ``src (m,)``, ``offs`` (the one
-    `checks.check_offs`, last == m). Any strides (the kernels read dense copies). Their values
+    gets them: on ``like``'s device, ``rows (T, k)`` and ``src (m,)`` int32 (or int64), ``offs``
+    (the one `checks.check_offs`, last == m). Any strides (the kernels read dense copies). Values
     -- ``rows`` in ``[0, m)``, ``src`` in ``[-1, pairs)`` -- are read only where that costs no
     device sync (CPU tensors), as for ``offs``: the rule depends on the device, not the backend.
     """
     for name, t, ndim in (("rows", rows, 2), ("src", src, 1)):
         if t is None:
             continue
-        if not isinstance(t, Tensor) or t.dtype != torch.int32:
+        if not isinstance(t, Tensor) or t.dtype not in INDEX_DTYPES:
             what = t.dtype if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(f"{who}: {name} must be an int32 tensor (route_layout's), got {what}")
+            raise TypeError(f"{who}: {name} must be an int32 (route_layout's) or int64 tensor, "
+                            f"got {what}")
         if t.dim() != ndim or t.device != like.device:
             raise ValueError(f"{who}: {name} must be {ndim}D on {like.device}, got shape "
                              f"{tuple(t.shape)} on {t.device}")
