@@ -136,6 +136,19 @@ def load_runtime(path: str) -> None:
             _runtime_handles[path] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
+INT32_RANGE = (-(2**31), 2**31 - 1)  # an ``Int32`` launch argument (sizes, counts, offsets)
+
+
+def int32_arg(value: int) -> int:
+    """``value`` as an ``Int32`` launch argument, or one error line: a size that does not fit
+    would wrap in the C call and the kernel would address the wrong bytes."""
+    lo, hi = INT32_RANGE
+    if not lo <= value <= hi:
+        raise ValueError(f"moe_mxfp8: kernel argument {value} does not fit a 32-bit integer "
+                         f"(the kernels' limit is 2^31 - 1); split the problem into smaller calls")
+    return value
+
+
 def _packed(values: list) -> ctypes.Array:
     arr = (ctypes.c_void_p * len(values))()
     for i, v in enumerate(values):
@@ -202,7 +215,7 @@ class NativeKernel:
             elif isinstance(a, Stream):
                 cells.append(ctypes.c_void_p(a.handle))
             elif isinstance(a, int):
-                cells.append(ctypes.c_int32(a))
+                cells.append(ctypes.c_int32(int32_arg(a)))
             else:
                 raise TypeError(f"unsupported kernel argument {a!r}")
         ret = ctypes.c_int32(0)
@@ -236,7 +249,7 @@ class CuteKernel:
             elif isinstance(a, Stream):
                 conv.append(cu_stream(a))
             elif isinstance(a, int):
-                conv.append(cutlass.Int32(a))
+                conv.append(cutlass.Int32(int32_arg(a)))
             else:
                 conv.append(a)  # already a CuTeDSL value
         return self.fn(*conv)

@@ -41,7 +41,7 @@ traces through the layer without graph breaks. `MXFP8Tensor` is a dataclass, so 
 return plain tensors (FP8 data, uint8 scales, ``offs``) and rebuild `MXFP8Tensor` inside.
 
 Nothing here reads a device tensor on the host: the values of ``offs`` are checked only when
-``offs`` lives on the CPU (`checks.check_offs(sync=...)`), so the GPU path has no host syncs.
+``offs`` lives on the CPU (`checks.check_offs`), so the GPU path has no host syncs.
 """
 
 from __future__ import annotations
@@ -145,14 +145,12 @@ def _check_args(
     C.check_multiple_of("grouped_mm: x/w_t", k, L.BLOCK_SIZE, "K (reduced dim of fprop)")
     C.check_multiple_of("grouped_mm: w_t", n, L.BLOCK_SIZE, "N (reduced dim of dgrad)")
     C.check_same_device(x=x, w_t=w_t, offs=offs)
-    C.check_offs(offs, x.shape[0], sync=False)  # dtype and rank
+    C.check_offs(offs, x.shape[0], values=False)  # dtype and rank
     if offs.numel() != e:
         raise ValueError(
             f"grouped_mm: offs has {offs.numel()} groups but w_t has {e} experts (dim 0)"
         )
-    # Values are read on the host only for CPU offs outside torch.compile tracing.
-    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
-        C.check_offs(offs, x.shape[0], sync=True)
+    C.check_offs(offs, x.shape[0])  # values only where they live on the host (no GPU sync)
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"grouped_mm: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
     check_scale_blocks(scale_blocks)

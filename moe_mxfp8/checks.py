@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+# the one offs check, and whether a tensor's values can be read without a device sync
+from .kernels.grouped_gemm.problem import check_offs, values_on_host  # noqa: F401
 from .kernels.mx_format import KERNEL_INPUT_ALIGN, MAX_EXTENT  # noqa: F401  (the domain's edges)
 
 FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,28 +55,6 @@ def check_rounding(rounding: str) -> None:
 def check_scale_layout(scale_layout: str) -> None:
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
-
-
-def check_offs(offs: torch.Tensor, extent: int, *, name: str = "offs", sync: bool = True) -> None:
-    """``offs``: 1D int32 cumulative group ends, non-decreasing, last value == ``extent``.
-
-    The value checks read ``offs`` on the host; on the GPU hot path they are skipped
-    (``sync=False``)
-    so that CUDA graphs and ``torch.compile`` see no host synchronisation.
-    """
-    if not isinstance(offs, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(offs).__name__}")
-    if offs.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32 (cumulative group ends), got {offs.dtype}")
-    if offs.dim() != 1 or offs.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty 1D tensor, got shape {tuple(offs.shape)}")
-    if not sync:
-        return
-    o = offs.detach().to("cpu", torch.int64)
-    if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0:
-        raise ValueError(f"{name} must be non-decreasing and non-negative, got {o.tolist()}")
-    if int(o[-1]) != extent:
-        raise ValueError(f"{name}[-1] must equal the grouped extent {extent}, got {int(o[-1])}")
 
 
 def check_extents(name: str, x: torch.Tensor, rows: int | None = None) -> None:

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import checks as C
 from . import layout as L
 from . import reference as R
 from .backend import _warn_once
@@ -64,6 +65,7 @@ from .quantize import quantize_weights
 BF16 = torch.bfloat16
 WGRAD_MODES = ("mxfp8", "bf16")
 WEIGHT_BLOCKS = ("1x32", "32x32")  # the older name's values (scale_blocks covers them)
+INDEX_DTYPES = (torch.int32, torch.int64)  # rows / src: every backend indexes with either
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +104,46 @@ def route_layout(expert_ids: Tensor, counts: Tensor, align: int) -> tuple[Tensor
     # tensor is a host->device copy, which syncs).
     offs = torch.cat([torch.cumsum(padded, 0)[:-1], counts.new_full((1,), m_pad)])
     return rows.to(torch.int32).reshape(t, k), src.to(torch.int32), offs.to(torch.int32)
+
+
+def check_layout(who: str, like: Tensor, m: int, *, rows: Tensor | None = None,
+                 src: Tensor | None = None, offs: Tensor | None = None,
+                 pairs: int | None = None) -> None:
+    """The index tensors of a `route_layout` layout of ``m`` sorted rows, as the stage ``who``
+    gets them: on ``like``'s device, ``rows (T, k)`` and ``src (m,)`` int32 (or int64), ``offs``
+    (the one `checks.check_offs`, last == m). Any strides (the kernels read dense copies). Values
+    -- ``rows`` in ``[0, m)``, ``src`` in ``[-1, pairs)`` -- are read only where that costs no
+    device sync (CPU tensors), as for ``offs``: the rule depends on the device, not the backend.
+    """
+    for name, t, ndim in (("rows", rows, 2), ("src", src, 1)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or t.dtype not in INDEX_DTYPES:
+            what = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"{who}: {name} must be an int32 (route_layout's) or int64 tensor, "
+                            f"got {what}")
+        if t.dim() != ndim or t.device != like.device:
+            raise ValueError(f"{who}: {name} must be {ndim}D on {like.device}, got shape "
+                             f"{tuple(t.shape)} on {t.device}")
+    if src is not None and src.numel() != m:
+        raise ValueError(f"{who}: src has {src.numel()} rows but the sorted buffer has {m}")
+    if offs is not None:
+        C.check_offs(offs, m, values=False)
+        if offs.device != like.device:
+            raise ValueError(f"{who}: offs is on {offs.device} but the data is on {like.device}")
+        C.check_offs(offs, m)
+    for name, t, lo, hi in (("rows", rows, 0, m), ("src", src, -1, pairs)):
+        if t is None or hi is None or not C.values_on_host(t) or t.numel() == 0:
+            continue
+        bad = int(t.min()) < lo or int(t.max()) >= hi
+        if bad:
+            raise ValueError(f"{who}: {name} values must lie in [{lo}, {hi}), got "
+                             f"[{int(t.min())}, {int(t.max())}]")
+
+
+def _numel(t) -> int:
+    """Rows of an index tensor, 0 for what is not one (`check_layout` then names it)."""
+    return t.numel() if isinstance(t, Tensor) else 0
 
 
 def block_table(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> Tensor:
@@ -244,6 +286,7 @@ def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = T
     kernels then write the columnwise copy in 16-byte stores. ``table``: the `block_table` of
     ``(offs, M, block)`` where the caller already has it (one per step)."""
     ablk = _check_rows("dispatch", x.shape[1], scale_blocks, qrow or qcol)
+    check_layout("dispatch", x, _numel(src), src=src, offs=offs, pairs=x.shape[0] * top_k)
     if not use_triton(x, backend):
         return dispatch_ref(x, src, offs, top_k, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
                             scale_blocks=scale_blocks)
@@ -265,6 +308,7 @@ def dispatch_backward_ref(dxs: Tensor, rows: Tensor) -> Tensor:
 def dispatch_backward(dxs: Tensor, rows: Tensor, *, backend: str = "auto") -> Tensor:
     """``dx[t] = sum_j dxs[rows[t, j]]`` (fp32, j = 0..k-1 in order, BF16 out): a segmented sum,
     no atomics, bitwise reproducible."""
+    check_layout("dispatch_backward", dxs, dxs.shape[0], rows=rows)
     if not use_triton(dxs, backend):
         return dispatch_backward_ref(dxs, rows)
     dxs = dxs.contiguous()
@@ -291,6 +335,7 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
     """``h = [gate | up] (M, 2H)`` BF16 -> ``a = silu(gate) * up`` as
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, H) | None)``; pad rows 0."""
     ablk = _check_rows("swiglu", h.shape[1] // 2, scale_blocks, qrow or qcol)
+    check_layout("swiglu", h, h.shape[0], src=src, offs=offs)
     if not use_triton(h, backend):
         return swiglu_ref(h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
                           scale_blocks=scale_blocks)
@@ -320,6 +365,7 @@ def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: b
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, 2H) | None)`` in one pass (the
     MXFP8 copies blocked along the whole 2H row, as the GEMMs read them)."""
     ablk = _check_rows("swiglu_backward", h.shape[1], scale_blocks, qrow or qcol)
+    check_layout("swiglu_backward", h, h.shape[0], src=src, offs=offs)
     if not use_triton(h, backend):
         return swiglu_backward_ref(da, h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
                                    scale_blocks=scale_blocks)
@@ -346,6 +392,7 @@ def combine_ref(y: Tensor, rows: Tensor, weights: Tensor) -> Tensor:
 
 def combine(y: Tensor, rows: Tensor, weights: Tensor, *, backend: str = "auto") -> Tensor:
     """``out[t] = sum_j bf16(y[rows[t, j]] * bf16(weights[t, j]))`` (fp32 sum, j in order)."""
+    check_layout("combine", y, y.shape[0], rows=rows)
     if not use_triton(y, backend):
         return combine_ref(y, rows, weights)
     y = y.contiguous()
@@ -379,6 +426,8 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
     over the tiles in a fixed order (no atomics)."""
     ablk = _check_rows("combine_backward", dout.shape[1], scale_blocks,
                        qrow or qcol)
+    check_layout("combine_backward", dout, y.shape[0], rows=rows, src=src, offs=offs,
+                 pairs=_numel(rows))
     if not use_triton(dout, backend):
         return combine_backward_ref(dout, y, src, rows, weights, offs, qrow=qrow, qcol=qcol,
                                     keep_bf16=keep_bf16, need_dw=need_dw,
@@ -675,9 +724,14 @@ def routed_experts(
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if t.dtype != BF16:
             raise TypeError(f"routed_experts: {name} must be bfloat16, got {t.dtype}")
+    check_layout("routed_experts", x, _numel(src), rows=rows, src=src, offs=offs,
+                 pairs=_numel(rows))
     if rows.shape != weights.shape or rows.dim() != 2 or rows.shape[0] != x.shape[0]:
         raise ValueError(f"routed_experts: rows {tuple(rows.shape)} and weights "
                          f"{tuple(weights.shape)} must both be (T={x.shape[0]}, k)")
+    if offs.numel() != w_gate_up.shape[0]:
+        raise ValueError(f"routed_experts: offs has {offs.numel()} groups but w_gate_up has "
+                         f"{w_gate_up.shape[0]} experts")
     save = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
     out = torch.ops.moe_mxfp8.routed_experts_fwd(

@@ -20,6 +20,7 @@ from . import checks as C
 from . import layout as L
 from . import reference as R
 from .backend import resolve_backend
+from .kernels.grouped_gemm.problem import kernel_offs
 from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
 from .mx_tensor import MXFP8Tensor
 
@@ -32,11 +33,9 @@ def _check_common(fn: str, name: str, x: torch.Tensor, ndim, rounding: str, scal
     C.check_rounding(rounding)
     C.check_scale_layout(scale_layout)
     if offs is not None:
-        C.check_offs(offs, x.shape[0], sync=False)  # type and shape
+        C.check_offs(offs, x.shape[0], values=False)  # a tensor of the right kind first
         C.check_same_device(**{name: x, "offs": offs})
-        # Values of offs are checked on the host only when they live there (no GPU sync).
-        if offs.device.type == "cpu":
-            C.check_offs(offs, x.shape[0])
+        C.check_offs(offs, x.shape[0])  # its values where they live on the host (no GPU sync)
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +49,7 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
 
 def _kernel_offs(offs: torch.Tensor | None) -> torch.Tensor | None:
     """``offs`` as the kernels read it: a dense int32 array (a strided view is copied)."""
-    return offs if offs is None else offs.contiguous()
+    return offs if offs is None else kernel_offs(offs)
 
 
 def _colwise_ref(x: torch.Tensor, rounding: str, scale_layout: str, offs,

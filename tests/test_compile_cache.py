@@ -371,6 +371,33 @@ def test_native_kernel_passes_arguments_as_the_c_header_does(tmp_path):
         kern(1.5)
 
 
+def test_native_kernel_refuses_an_int_that_would_wrap():
+    """Every Python int is packed as an ``int32_t``: one outside its range would wrap silently
+    (a scale-buffer size of 2^31 bytes becoming negative), so it is one error line and the
+    kernel is not called. A kernel object with the recorder as its entry (no library, no GPU)."""
+    import ctypes
+
+    from moe_mxfp8.kernels import native
+
+    seen = []
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+    def recorder(args, n):
+        cells = ctypes.cast(args, ctypes.POINTER(ctypes.c_void_p))
+        seen.append([ctypes.cast(cells[i], ctypes.POINTER(ctypes.c_int32)).contents.value
+                     for i in range(n - 1)])
+
+    kern = native.NativeKernel.__new__(native.NativeKernel)
+    kern._entry, kern._loaded = recorder, True
+    kern(2**31 - 1, -(2**31), 0)  # the edges fit
+    assert seen == [[2**31 - 1, -(2**31), 0]]
+    for value in (2**31, -(2**31) - 1, 2**40):
+        with pytest.raises(ValueError, match="does not fit a 32-bit integer") as info:
+            kern(native.Ptr("uint8", 16), value, native.Stream(0))
+        assert "\n" not in str(info.value)
+    assert len(seen) == 1  # nothing reached the kernel
+
+
 def test_link_shared_refuses_what_it_cannot_link(tmp_path, monkeypatch):
     from moe_mxfp8.kernels import native
 

@@ -139,6 +139,7 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
     if prob.m == 0:
         return result if prob.mode == P.MODE_M else result.zero_()
     a_data, b_data = a.data, b.data
+    offs = P.kernel_offs(offs)  # kept alive to the launch, which reads E consecutive int32
     if prob.mode == P.MODE_K and not aligned_groups:
         a_data, b_data, offs = P.align_k_groups(a_data, b_data, offs)
         prob = dataclasses.replace(prob, m=a_data.shape[1])

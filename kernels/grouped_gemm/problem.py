@@ -71,8 +71,72 @@ class GroupedProblem:
 
 
 # ---------------------------------------------------------------------------------------------
-# operand checks (host-side metadata only; never the values of offs)
+# operand checks (host-side metadata; the values of offs only where they live on the host)
 # ---------------------------------------------------------------------------------------------
+
+
+def check_offs(offs, extent: int, *, name: str = "offs", values: bool | None = None,
+               end: str = "equal") -> None:
+    """The one check of an ``offs`` argument (GEMMs, quantizers, `align_k_groups`): a non-empty
+    1D int32 tensor of cumulative group ends, non-negative, non-decreasing, its last value
+    ``== extent`` (``end="equal"``, the contract of every public entry) or ``<= extent``
+    (``end="at_most"``: `align_k_groups` leaves the tokens past it ungrouped).
+
+    Any stride is accepted (`kernel_offs` gives the kernels a dense copy). The values are read
+    only when ``values`` is true -- by default when ``offs`` lives on the CPU and is no fake
+    or traced tensor -- so a CUDA ``offs`` costs no host sync (CUDA graphs, compile). The rule
+    depends on where ``offs`` lives, never on the backend: every backend answers alike.
+    """
+    if not isinstance(offs, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 (cumulative group ends), "
+                        f"got {type(offs).__name__}")
+    if offs.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (cumulative group ends), got {offs.dtype}")
+    if offs.dim() != 1 or offs.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1D tensor, got shape {tuple(offs.shape)}")
+    if not (values_on_host(offs) if values is None else values):
+        return
+    o = offs.detach().to("cpu", torch.int64)
+    if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0:
+        shown = o.tolist() if o.numel() <= 16 else f"{o[:16].tolist()} ..."
+        raise ValueError(f"{name} must be non-decreasing and non-negative, got {shown}")
+    last = int(o[-1])
+    if last != extent and (end == "equal" or last > extent):
+        want = "equal" if end == "equal" else "be at most"
+        raise ValueError(f"{name}[-1] must {want} the grouped extent {extent}, got {last}")
+
+
+def values_on_host(offs: torch.Tensor) -> bool:
+    """Whether reading ``offs``' values costs no device sync and is possible at all (not
+    under ``torch.compile`` or a fake-tensor trace, where tensors have no values)."""
+    if offs.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(offs)
+
+
+def kernel_offs(offs: torch.Tensor) -> torch.Tensor:
+    """``offs`` as a kernel reads it: ``E`` consecutive int32 from its data pointer (a strided
+    view, e.g. a column of an ``(E, 2)`` tensor, is copied; a dense one is returned as is)."""
+    return offs if offs.is_contiguous() else offs.contiguous()
+
+
+def check_scale_bytes(name: str, nbytes: int) -> None:
+    """Kernels take scale buffer sizes and offsets as 32-bit integers: bound them here, where
+    every backend's problem is described, so that no size wraps."""
+    if nbytes > F.MAX_EXTENT:
+        raise ValueError(f"grouped GEMM: {name} needs {nbytes} scale bytes, above the largest "
+                         f"supported 2^31 - 1 (fewer tokens per call)")
+
+
+def _check_group_count(name: str, t, offs: torch.Tensor) -> None:
+    """An operand quantized with groups must be read with as many groups (its packed scales
+    are laid out per group)."""
+    own = getattr(t, "offs", None)
+    if own is not None and own.numel() != offs.numel():
+        raise ValueError(f"offs has {offs.numel()} groups but {name} was quantized with "
+                         f"{own.numel()}")
 
 
 def _check_common(a, b, offs, out_dtype) -> None:
@@ -80,14 +144,14 @@ def _check_common(a, b, offs, out_dtype) -> None:
         raise ValueError("grouped GEMM operands need packed scales (scale_layout='packed')")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
-        what = f"{offs.dtype} {tuple(offs.shape)}" if isinstance(offs, torch.Tensor) else offs
-        raise TypeError(f"offs must be a 1D int32 tensor of cumulative group ends, got {what}")
-    if offs.numel() == 0:
-        raise ValueError("offs must hold at least one group")
-    devs = {a.data.device, b.data.device, offs.device, a.scale.device, b.scale.device}
+    devs = {a.data.device, b.data.device, a.scale.device, b.scale.device}
+    if isinstance(offs, torch.Tensor):
+        devs.add(offs.device)
     if len(devs) != 1:
         raise ValueError(f"a, b and offs must share one device, got {sorted(map(str, devs))}")
+    check_offs(offs, 0, values=False)  # the values once the extent is known (describe_*)
+    for name, t in (("a", a), ("b", b)):
+        _check_group_count(name, t, offs)
     for name, t in (("a.data", a.data), ("b.data", b.data), ("a.scale", a.scale),
                     ("b.scale", b.scale)):
         if not t.is_contiguous():
@@ -106,6 +170,7 @@ def describe_m(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> GroupedProbl
         raise ValueError(f"K mismatch: a {tuple(a.shape)} vs b {tuple(b.shape)}")
     if offs.numel() != e:
         raise ValueError(f"offs has {offs.numel()} groups but b has {e} experts")
+    check_offs(offs, m)
     if a.group_axis != "rows" and not (a.group_axis is None and e == 1):
         raise ValueError("`a` must be quantized rowwise with offs (group_axis='rows'): each "
                          "group's scale rows start on a 128-row packed tile")
@@ -116,10 +181,12 @@ def describe_m(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> GroupedProbl
                          f"got {b.block_rows}")
     nb = F.ceil_div(k, F.BLOCK_SIZE)
     need_a = F.grouped_rows_scale_bytes(m, nb, e)
+    need_b = e * F.expert_scale_stride(n, nb)
+    check_scale_bytes("a", need_a)
+    check_scale_bytes("b", need_b)
     if a.scale.numel() < need_a:
         raise ValueError(f"a.scale holds {a.scale.numel()} bytes, the grouped-rows layout "
                          f"needs {need_a}")
-    need_b = e * F.expert_scale_stride(n, nb)
     if b.scale.numel() < need_b:
         raise ValueError(f"b.scale holds {b.scale.numel()} bytes, {e} experts need {need_b}")
     return GroupedProblem(MODE_M, m, n, k, e, out_dtype, SCALE_BLOCKS_OF_WEIGHT_ROWS[b.block_rows],
@@ -139,9 +206,11 @@ def describe_k(a, b, offs: torch.Tensor, out_dtype: torch.dtype,
     k, mb = b.data.shape
     if mb != m:
         raise ValueError(f"M mismatch: a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    check_offs(offs, m)
     e = offs.numel()
     for name, t, rows in (("a", a, n), ("b", b, k)):
         need = F.grouped_k_scale_bytes(rows, m, e)
+        check_scale_bytes(name, need)
         if t.scale.numel() < need:
             raise ValueError(f"{name}.scale holds {t.scale.numel()} bytes, needs {need}")
     # the activation side decides the kernel (weights do not enter a K-grouped GEMM)
@@ -312,9 +381,11 @@ def align_k_groups(a_data: torch.Tensor, b_data: torch.Tensor, offs: torch.Tenso
     if a_data.dim() != 2 or b_data.dim() != 2 or a_data.shape[1] != b_data.shape[1]:
         raise ValueError(f"align_k_groups needs (N, M) and (K, M) data, got "
                          f"{tuple(a_data.shape)} and {tuple(b_data.shape)}")
-    if offs.dim() != 1 or offs.numel() == 0:
-        raise ValueError("offs must be a 1D tensor of cumulative group ends with >= 1 group")
     m = a_data.shape[1]
+    check_offs(offs, m, end="at_most")
+    if offs.device != a_data.device or b_data.device != a_data.device:
+        raise ValueError(f"a_data, b_data and offs must share one device, got {a_data.device}, "
+                         f"{b_data.device} and {offs.device}")
     mp = k_aligned_extent(m, offs.numel(), align)
     src, gaps, offs_aligned = _k_align_indices(offs, m, mp, align)
     outs = []
