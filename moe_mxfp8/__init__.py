@@ -46,6 +46,7 @@ _register_source_kernels()
 from . import checkpoint, expert_parallel, layout, reference  # noqa: E402
 from .autograd import grouped_mm  # noqa: E402
 from .backend import resolve_backend  # noqa: E402
+from .checks import NonFiniteInputError  # noqa: E402
 from .experts import MXFP8GroupedExperts  # noqa: E402
 from .moe import MXFP8MoE  # noqa: E402
 from .mx_tensor import MXFP8Tensor  # noqa: E402
@@ -61,6 +62,7 @@ __all__ = [
     "MXFP8GroupedExperts",
     "MXFP8MoE",
     "MXFP8Tensor",
+    "NonFiniteInputError",
     "checkpoint",
     "expert_parallel",
     "grouped_mm",

@@ -45,13 +45,23 @@ def _warn_once(msg: str) -> None:
 
 
 def check_backend_name(backend, who: str, *, env: bool = True) -> None:
-    """Fail early (e.g. in a constructor) on a backend name `resolve_backend` would refuse later;
-    with ``env``, also on a bad ``MOE_MXFP8_BACKEND`` that ``"auto"`` would read."""
+    """Fail early (e.g. in a constructor) on a backend name `resolve_backend` would refuse later.
+    With ``env`` (the backend will be used), also on a bad ``MOE_MXFP8_BACKEND`` that ``"auto"``
+    would read, and on a kernel backend on a machine without CUDA (one line, not a traceback
+    from the first forward). Only the machine is checked: the layer may be built on the CPU and
+    moved to a GPU later."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
+    if not env:
+        return
     value = os.environ.get(ENV_VAR)
-    if env and backend == "auto" and value and value not in BACKENDS:
+    if backend == "auto" and value and value not in BACKENDS:
         raise ValueError(f"{who}: {ENV_VAR}={value!r} is not one of {BACKENDS}")
+    chosen = value if backend == "auto" and value else backend
+    if chosen in KERNEL_BACKENDS and not torch.cuda.is_available():
+        where = f"{ENV_VAR}={chosen!r}" if chosen != backend else f"backend={chosen!r}"
+        raise RuntimeError(f"{who}: {where} needs a CUDA GPU, but torch sees none; use "
+                           "backend='auto' or 'reference'")
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:

@@ -15,6 +15,12 @@ one line naming the layer, the field and both values::
     checkpoint.load_file(model, "model.safetensors")        # strict=True, device="cpu"
     checkpoint.read_metadata("model.safetensors")           # {"step": "100"}
 
+The metadata also records the SHA-256 of every tensor's bytes; `load_file` verifies each
+before loading and refuses a damaged file with one line naming the file and the tensor (a
+flipped byte in the data would otherwise load as silently wrong, e.g. NaN, parameters). Files
+written before the checksums were recorded still load, with a one-time warning that they are
+unverified.
+
 Plain ``model.load_state_dict(safetensors.torch.load_file(path))`` still loads these files (the
 configuration lives in the metadata only), and `load_file` with ``strict=False`` loads files
 written without it.
@@ -22,8 +28,11 @@ written without it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
+import warnings
 
 import torch
 from torch import nn
@@ -31,9 +40,12 @@ from torch import nn
 from .moe import MXFP8MoE
 
 LAYERS_KEY = "moe_mxfp8.layers"  # metadata: JSON {qualified layer name: {field: value}}
+CHECKSUMS_KEY = "moe_mxfp8.sha256"  # metadata: JSON {tensor name: SHA-256 hex of its bytes}
 FORMAT_KEY = "moe_mxfp8.format"
 FORMAT_VERSION = "1"
-RESERVED_KEYS = (LAYERS_KEY, FORMAT_KEY)
+RESERVED_KEYS = (LAYERS_KEY, CHECKSUMS_KEY, FORMAT_KEY)
+_READ_CHUNK = 1 << 24  # bytes per read while hashing a file's tensor data
+_warned_unverified: set[str] = set()
 
 PathLike = str | os.PathLike
 
@@ -48,13 +60,27 @@ def layer_configs(model: nn.Module) -> dict[str, dict]:
     }
 
 
+def tensor_sha256(t: torch.Tensor) -> str:
+    """SHA-256 (hex) of a tensor's bytes as safetensors stores them (contiguous, little-endian,
+    on the CPU)."""
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy()).hexdigest()
+
+
 def save_file(model: nn.Module, path: PathLike, *, metadata: dict[str, str] | None = None) -> None:
-    """Write ``model``'s state dict and its layers' configuration to ``path`` (safetensors).
+    """Write ``model``'s state dict, its layers' configuration and each tensor's SHA-256 to
+    ``path`` (safetensors).
 
     ``metadata``: extra ``str -> str`` entries (e.g. the step), returned by `read_metadata`.
     """
     from safetensors.torch import save_model  # noqa: PLC0415  (optional at import time)
 
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"save_file: {path}: the directory {folder} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"save_file: {path} is a directory, not a file name")
     meta = dict(metadata or {})
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
@@ -62,14 +88,19 @@ def save_file(model: nn.Module, path: PathLike, *, metadata: dict[str, str] | No
         if key in RESERVED_KEYS:
             raise ValueError(f"save_file: metadata key {key!r} is reserved by moe_mxfp8")
     meta[LAYERS_KEY] = json.dumps(layer_configs(model), sort_keys=True)
+    # every state-dict name (a tied duplicate that save_model drops is never looked up)
+    meta[CHECKSUMS_KEY] = json.dumps(
+        {name: tensor_sha256(t) for name, t in model.state_dict().items()}, sort_keys=True)
     meta[FORMAT_KEY] = FORMAT_VERSION
-    save_model(model, os.fspath(path), metadata=meta)
+    save_model(model, path, metadata=meta)
 
 
 def _raw_metadata(path: PathLike) -> dict[str, str]:
     from safetensors import SafetensorError, safe_open  # noqa: PLC0415
 
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"checkpoint {path}: is a directory, not a checkpoint file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path}: no such file")
     try:
@@ -96,7 +127,55 @@ def read_layer_configs(path: PathLike) -> dict[str, dict] | None:
         raise ValueError(f"checkpoint {os.fspath(path)}: {LAYERS_KEY} is not JSON ({e})") from None
     if not isinstance(configs, dict):
         raise ValueError(f"checkpoint {os.fspath(path)}: {LAYERS_KEY} is not a mapping")
+    for name, cfg in configs.items():
+        if not isinstance(cfg, dict):
+            raise ValueError(f"checkpoint {os.fspath(path)}: {LAYERS_KEY} entry {name!r} is not "
+                             f"a mapping of fields (got {type(cfg).__name__})")
     return configs
+
+
+def _tensor_ranges(path: str) -> dict[str, tuple[int, int]]:
+    """``{name: (start, end)}`` byte offsets of each tensor's data in a safetensors file (an
+    8-byte little-endian header length, the JSON header, then the data)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    return {name: (base + info["data_offsets"][0], base + info["data_offsets"][1])
+            for name, info in header.items() if name != "__metadata__"}
+
+
+def verify_checksums(path: PathLike) -> bool:
+    """Compare every tensor's bytes in ``path`` with the SHA-256 recorded when it was saved;
+    a difference is a ValueError naming the file and the tensor. Returns False (nothing to
+    compare) for a file written without checksums."""
+    path = os.fspath(path)
+    raw = _raw_metadata(path).get(CHECKSUMS_KEY)
+    if raw is None:
+        return False
+    try:
+        want = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"checkpoint {path}: {CHECKSUMS_KEY} is not JSON ({e})") from None
+    if not isinstance(want, dict):
+        raise ValueError(f"checkpoint {path}: {CHECKSUMS_KEY} is not a mapping")
+    with open(path, "rb") as f:
+        for name, (start, end) in sorted(_tensor_ranges(path).items(), key=lambda kv: kv[1]):
+            if name not in want:
+                raise ValueError(f"checkpoint {path}: tensor {name!r} has no recorded checksum")
+            h = hashlib.sha256()
+            f.seek(start)
+            left = end - start
+            while left:
+                chunk = f.read(min(left, _READ_CHUNK))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            if h.hexdigest() != want[name]:
+                raise ValueError(f"checkpoint {path}: tensor {name!r} is corrupted (its bytes "
+                                 "differ from the SHA-256 recorded when it was saved)")
+    return True
 
 
 def _layer_name(name: str) -> str:
@@ -146,12 +225,25 @@ def load_file(model: nn.Module, path: PathLike, *, strict: bool = True,
 
     ``strict``: refuse missing or unexpected keys and a file without the configuration record
     (``strict=False`` loads what matches and returns the rest). ``device``: where the tensors are
-    read to before being copied into the parameters. Returns ``(missing, unexpected)`` keys.
+    read to before being copied into the parameters. Every tensor's bytes are checked against
+    the SHA-256 recorded by `save_file` first (`verify_checksums`); a file without checksums
+    loads unverified (one warning). Returns ``(missing, unexpected)`` keys.
     """
     from safetensors.torch import load_model  # noqa: PLC0415
 
     source = f"checkpoint {os.fspath(path)}"
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"load_file: device must be a torch device, got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"load_file: device={device!r}, but no CUDA GPU is visible to torch")
     check_layer_configs(model, read_layer_configs(path), strict=strict, source=source)
+    if not verify_checksums(path) and source not in _warned_unverified:
+        _warned_unverified.add(source)
+        warnings.warn(f"{source} records no tensor checksums (written by an older "
+                      "moe_mxfp8.checkpoint); loading it unverified", RuntimeWarning,
+                      stacklevel=2)
     if isinstance(device, torch.device):
         device = str(device)
     missing, unexpected = load_model(model, os.fspath(path), strict=strict, device=device)

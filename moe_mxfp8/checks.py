@@ -79,3 +79,8 @@ def check_not_differentiable(fn: str, name: str, x: torch.Tensor) -> None:
             f"{name}.detach() or run under torch.no_grad() (for training, use "
             "moe_mxfp8.grouped_mm / MXFP8MoE, whose backward is defined)"
         )
+
+
+class NonFiniteInputError(ValueError):
+    """NaN or Inf where a finite value is required: `MXFP8MoE` with ``check_finite="raise"``
+    raises it (one type on every backend, in eager mode and under ``torch.compile``)."""

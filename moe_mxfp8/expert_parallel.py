@@ -133,6 +133,15 @@ def exchange_counts(counts: Tensor, group) -> Tensor:
     return recv.view(size, -1)
 
 
+def group_sum(count: Tensor, group) -> int:
+    """``count`` (an integer scalar on the device) summed over ``group``, read on the host: a
+    collective every rank runs, so an error that follows is raised on every rank together
+    (one rank raising alone would leave the others waiting in the next all-to-all)."""
+    total = count.detach().clone()
+    dist.all_reduce(total, group=group)
+    return int(total)
+
+
 def make_plan(counts: Tensor, group, align: int) -> _Plan:
     """Sizes first, then where every received pair lands (all on the device but the splits).
 

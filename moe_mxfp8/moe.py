@@ -27,6 +27,14 @@ with ``f_e`` the fraction of the ``T*k`` routed (token, slot) pairs that go to e
 differentiable) and ``P_e`` the mean over tokens of the router probability of ``e`` (softmax
 scores; for sigmoid scores, the scores normalised to sum 1 per token). Perfect balance gives
 ``aux_loss_coef`` (the sum is 1). It is a tensor in the autograd graph: add it to the loss.
+
+Non-finite tokens (NaN or Inf in a token of ``x``, i.e. a row of non-finite router logits) never
+stop the process: such a token goes to experts ``0 .. k-1`` (a fixed choice, the same on every
+backend) with NaN routing weights, so its own output and input gradient are NaN while every other
+token's output and input gradient are those of the batch without it. Weight gradients are sums
+over tokens and become NaN (as in any BF16 layer), and so may ``aux_loss``. ``nonfinite_tokens``
+counts such tokens on the device (no host sync), for a training loop that skips bad steps;
+``check_finite="raise"`` reads it and raises `NonFiniteInputError` instead.
 """
 
 from __future__ import annotations
@@ -50,10 +58,12 @@ from .autograd import (
     resolve_scale_blocks,
 )
 from .backend import check_backend_name
-from .checks import COMPUTE_DTYPE, PRECISIONS
+from .checks import COMPUTE_DTYPE, PRECISIONS, NonFiniteInputError
 from .kernels.mx_format import K_GROUP_ALIGN
+from .op_library import define_op
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+CHECK_FINITE_MODES = ("flag", "raise")
 PARAM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 (sigmoid)
@@ -107,6 +117,40 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), w.float())
 
 
+def check_finite_mode(value, who: str = "MXFP8MoE") -> str:
+    """``check_finite`` as one of `CHECK_FINITE_MODES`; the older bools mean ``False`` ->
+    ``"flag"`` (no error) and ``True`` -> ``"raise"`` (an error on non-finite input)."""
+    if isinstance(value, bool):
+        return "raise" if value else "flag"
+    if value not in CHECK_FINITE_MODES:
+        raise ValueError(f"{who}: check_finite must be one of {CHECK_FINITE_MODES}, got {value!r}")
+    return value
+
+
+def nonfinite_error(who: str, count: int, of: str) -> NonFiniteInputError:
+    """The one message of ``check_finite="raise"``: ``count`` tokens of ``of`` are not finite."""
+    return NonFiniteInputError(
+        f"{who}: router scores are not finite for {count} token(s) of {of} (NaN or Inf in the "
+        "input or in router.weight)")
+
+
+@define_op("moe_mxfp8::nonfinite_rows_or_raise")
+def _nonfinite_rows_or_raise(logits: torch.Tensor, who: str) -> torch.Tensor:
+    """``(T,)`` bool: rows of ``logits`` holding NaN/Inf; raises `NonFiniteInputError` if any
+    (reads the count on the host). An operator, so that ``torch.compile`` (also with
+    ``fullgraph=True``) calls it at run time and the same exception reaches the caller."""
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    count = int(bad.sum())
+    if count:
+        raise nonfinite_error(who, count, f"{logits.shape[0]} in this batch")
+    return bad
+
+
+@_nonfinite_rows_or_raise.register_fake
+def _nonfinite_rows_or_raise_fake(logits, who):
+    return logits.new_empty(logits.shape[0], dtype=torch.bool)
+
+
 def _padded_extent(m: int, num_experts: int, align: int = GROUP_ALIGN_ROWS) -> int:
     """Static row count of the ``align``-aligned expert-sorted buffer (16 rows by default):
     `moe_mxfp8.datapath.padded_extent`, i.e. `kernels.mx_format.padded_extent`, the one copy
@@ -157,6 +201,15 @@ class MXFP8MoE(nn.Module):
             default for precision "mxfp8") or ``"bf16"`` (the default for "bf16").
         ep_grad_payload: ``"bf16"`` (default) or ``"mxfp8"``: the output gradient's dispatch to
             the experts in backward. Expert outputs and input gradients return in BF16.
+        check_finite: what a token with non-finite router logits (NaN/Inf in ``x`` or in
+            ``router.weight``) does. ``"flag"`` (default): nothing stops; the token is routed
+            to experts ``0 .. k-1`` with NaN weights (its own output and gradients are NaN, the
+            other tokens' are unaffected) and ``nonfinite_tokens`` counts it, without a host
+            sync. ``"raise"``: also reads that count on the host (a sync per forward; not
+            CUDA-graph capturable) and raises `moe_mxfp8.NonFiniteInputError` (a ValueError)
+            on every backend, in eager mode and under ``torch.compile``; with ``ep_group`` the
+            count is summed over the group first, so every rank raises together. ``True`` /
+            ``False`` are the older spellings of ``"raise"`` / ``"flag"``.
         device, dtype: of the parameters. ``dtype`` may be bfloat16 (default), float32 (e.g.
             master weights; cast to BF16 for the expert GEMMs in forward) or float16.
 
@@ -174,13 +227,13 @@ class MXFP8MoE(nn.Module):
         ``aux_loss``: scalar float32 tensor (in the graph), ``None`` before the first forward.
             A copy of the layer (``copy.deepcopy``, pickle) holds it detached.
         ``tokens_per_expert``: ``(E,)`` int64, detached (routed (token, slot) pairs per expert).
+        ``nonfinite_tokens``: int64 scalar on the device: tokens of this forward whose router
+            logits are not finite (0 for a clean batch; read it with ``.item()`` when needed).
 
     Input ``x (..., D)`` in bfloat16, float16 or float32; the output has x's shape and dtype.
     Experts compute in BF16 (MXFP8 inside the routed experts' GEMMs), the router's logits in
     float32 (the same router in both precisions).
     """
-
-    check_finite: bool = True  # check the router scores for NaN/Inf (no host sync on GPU)
 
     def __init__(
         self,
@@ -202,6 +255,7 @@ class MXFP8MoE(nn.Module):
         ep_group=None,
         ep_payload: str | None = None,
         ep_grad_payload: str = "bf16",
+        check_finite: str = "flag",
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -261,6 +315,7 @@ class MXFP8MoE(nn.Module):
         self.weight_blocks = scale_blocks if scale_blocks == "32x32" else "1x32"  # older name
         self.group_align_rows = (GROUP_ALIGN_ROWS_1X128 if scale_blocks == "1x128"
                                  else GROUP_ALIGN_ROWS)
+        self.check_finite = check_finite  # validated by the property's setter
         self.num_shared_experts = num_shared_experts
         self.shared_hidden_dim = num_shared_experts * hidden_dim  # torchtitan's FeedForward
         e_local = EP.setup_layer(self, ep_group, ep_payload, ep_grad_payload)  # E / ep_size
@@ -278,7 +333,17 @@ class MXFP8MoE(nn.Module):
             self.register_parameter("shared_w_down", None)
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.nonfinite_tokens: torch.Tensor | None = None
         self.reset_parameters()
+
+    @property
+    def check_finite(self) -> str:
+        """``"flag"`` or ``"raise"`` (see the class doc); assignable, validated."""
+        return self._check_finite
+
+    @check_finite.setter
+    def check_finite(self, value) -> None:
+        self._check_finite = check_finite_mode(value)
 
     def reset_parameters(self) -> None:
         """Normal init with std ``fan_in^-0.5``: ``D^-0.5`` for the router, ``w_gate_up`` and
@@ -357,23 +422,20 @@ class MXFP8MoE(nn.Module):
                 f"MXFP8MoE: x is on {x.device} but the parameters are on {self.w_gate_up.device}"
             )
 
-    def _check_finite(self, logits: torch.Tensor) -> None:
-        """Non-finite router logits (NaN/Inf in x or router.weight) are an error.
-
-        On the CPU in eager mode the check reads one bool on the host (a clear ValueError); on
-        the GPU and under torch.compile it is ``torch._assert_async`` (no host sync).
-        """
-        if not self.check_finite:
-            return
-        finite = torch.isfinite(logits).all()
-        if logits.device.type == "cpu" and not torch.compiler.is_compiling():
-            if not bool(finite):
-                raise ValueError(
-                    "MXFP8MoE: router scores are not finite (NaN or Inf in the input or in "
-                    "router.weight)"
-                )
+    def _nonfinite_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """``(T,)`` bool: tokens whose router logits hold NaN/Inf. Sets ``nonfinite_tokens``; with
+        ``check_finite="raise"`` raises `NonFiniteInputError` (on every rank of ``ep_group``)."""
+        logits = logits.detach()
+        if self.check_finite == "raise" and self.ep_group is None:
+            bad = torch.ops.moe_mxfp8.nonfinite_rows_or_raise(logits, "MXFP8MoE")
         else:
-            torch._assert_async(finite, "MXFP8MoE: router scores are not finite (NaN/Inf)")
+            bad = ~torch.isfinite(logits).all(dim=-1)
+        self.nonfinite_tokens = bad.sum()
+        if self.check_finite == "raise" and self.ep_group is not None:
+            total = EP.group_sum(self.nonfinite_tokens, self.ep_group)
+            if total:
+                raise nonfinite_error("MXFP8MoE", total, "the expert-parallel group")
+        return bad
 
     # -----------------------------------------------------------------------------------------
     # forward pieces
@@ -392,16 +454,23 @@ class MXFP8MoE(nn.Module):
         )
         with no_autocast:
             logits = router_logits(x, self.router.weight)  # (T, E) fp32
-        self._check_finite(logits)
+        bad = self._nonfinite_rows(logits)
         if self.score_func == "softmax":
             scores = logits.softmax(dim=-1)
             probs = scores
         else:
             scores = logits.sigmoid()
             probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(TINY)
-        weights, expert_ids = scores.topk(self.top_k, dim=-1)  # (T, k)
+        # A non-finite token picks experts 0..k-1 (descending stand-in scores: no ties, so the
+        # same experts on every backend; top-k of NaN scores is not specified) with NaN weights:
+        # its own output is NaN, and no other token's rows or routing change.
+        stand_in = -torch.arange(self.num_experts, dtype=scores.dtype, device=scores.device)
+        expert_ids = torch.where(bad[:, None], stand_in, scores.detach()).topk(
+            self.top_k, dim=-1).indices  # (T, k)
+        weights = scores.gather(1, expert_ids)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(TINY)
+        weights = weights.masked_fill(bad[:, None], math.nan)
         # Tokens per expert by scatter_add: bincount reads its max on the host (a sync on CUDA)
         # and has a data-dependent shape; this has neither.
         flat_ids = rearrange(expert_ids, "t k -> (t k)")

@@ -194,3 +194,108 @@ def test_expert_parallel_shards_are_told_apart(tmp_path):
     # A full checkpoint (all experts) is accepted by a shard: the EP layer slices it on load.
     full = {"": _moe().checkpoint_config()}
     checkpoint.check_layer_configs(shard(1), full)
+
+
+# --- damaged data, unusable paths and devices -------------------------------------------------
+
+
+def _corrupt(path, where: int, n: int = 100) -> None:
+    """Overwrite ``n`` bytes at ``where`` (an offset into the tensor data) with 0xFF (NaN in
+    BF16 and float32)."""
+    data = bytearray(path.read_bytes())
+    data[where:where + n] = b"\xff" * n
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_tensor_data_is_one_line_naming_file_and_tensor(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "m.safetensors"
+    checkpoint.save_file(Tiny(), path)
+    start, end = checkpoint._tensor_ranges(str(path))["layers.1.w_down"]
+    _corrupt(path, start + (end - start) // 2)
+    model = Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="tensor 'layers.1.w_down' is corrupted") as info:
+        checkpoint.load_file(model, path)
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg
+    for k, v in model.state_dict().items():  # nothing was loaded
+        assert torch.equal(v, before[k])
+    # the metadata is intact and a plain load would have taken NaN parameters without a word
+    assert st_load_file(str(path))["layers.1.w_down"].isnan().any()
+
+
+def test_checksums_cover_every_stored_tensor_and_a_clean_file_loads_silently(tmp_path):
+    path = tmp_path / "m.safetensors"
+    a = Tiny()
+    checkpoint.save_file(a, path)
+    stored = checkpoint._tensor_ranges(str(path))
+    assert "head.weight" not in stored  # the tied duplicate is stored once
+    assert checkpoint.verify_checksums(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint.load_file(Tiny(), path)
+    assert checkpoint.RESERVED_KEYS == (checkpoint.LAYERS_KEY, checkpoint.CHECKSUMS_KEY,
+                                        checkpoint.FORMAT_KEY)
+    with pytest.raises(ValueError, match="reserved"):
+        checkpoint.save_file(a, path, metadata={checkpoint.CHECKSUMS_KEY: "{}"})
+
+
+def test_file_without_checksums_loads_with_one_warning(tmp_path):
+    """A checkpoint written before checksums were recorded still loads (unverified), and says
+    so once."""
+    src = _moe()
+    path = tmp_path / "old.safetensors"
+    meta = {checkpoint.LAYERS_KEY: json.dumps({"": src.checkpoint_config()}),
+            checkpoint.FORMAT_KEY: checkpoint.FORMAT_VERSION}
+    st_save_file(src.state_dict(), str(path), metadata=meta)
+    assert not checkpoint.verify_checksums(path)
+    dst = _moe()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        checkpoint.load_file(dst, path)
+        checkpoint.load_file(dst, path)
+    msgs = [str(w.message) for w in seen if "checksums" in str(w.message)]
+    assert len(msgs) == 1 and "unverified" in msgs[0] and str(path) in msgs[0]
+    assert torch.equal(dst.w_down, src.w_down)
+
+
+def test_bad_checksum_record_is_one_line(tmp_path):
+    path = tmp_path / "m.safetensors"
+    src = _moe()
+    for raw, match in (("[1]", "not a mapping"), ("{", "not JSON"), ("{}", "no recorded checksum")):
+        meta = {checkpoint.LAYERS_KEY: json.dumps({"": src.checkpoint_config()}),
+                checkpoint.CHECKSUMS_KEY: raw}
+        st_save_file(src.state_dict(), str(path), metadata=meta)
+        with pytest.raises(ValueError, match=match):
+            checkpoint.load_file(_moe(), path)
+
+
+def test_layer_entry_that_is_not_a_mapping_is_one_line(tmp_path):
+    raw = tmp_path / "raw.safetensors"
+    st_save_file({"w": torch.zeros(1)}, str(raw), metadata={checkpoint.LAYERS_KEY: '{"": [1]}'})
+    with pytest.raises(ValueError, match="entry '' is not a mapping of fields .got list."):
+        checkpoint.load_file(_moe(), raw)
+
+
+def test_directory_paths_are_one_line(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a directory, not a checkpoint file"):
+        checkpoint.load_file(_moe(), tmp_path)
+    with pytest.raises(IsADirectoryError, match="is a directory, not a file name"):
+        checkpoint.save_file(_moe(), tmp_path)
+    missing = tmp_path / "no" / "such" / "m.safetensors"
+    with pytest.raises(FileNotFoundError, match=f"the directory {tmp_path / 'no' / 'such'} "
+                                                "does not exist") as info:
+        checkpoint.save_file(_moe(), missing)
+    assert ".tmp" not in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_cuda_device_without_cuda_is_one_line(tmp_path):
+    path = tmp_path / "m.safetensors"
+    checkpoint.save_file(_moe(), path)
+    for device in ("cuda", "cuda:1", 0, torch.device("cuda")):
+        with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+            checkpoint.load_file(_moe(), path, device=device)
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        checkpoint.load_file(_moe(), path, device="gpu")

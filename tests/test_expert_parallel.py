@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_mxfp8 import MXFP8MoE
+from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
 from moe_mxfp8 import expert_parallel as EP
 
 BF16 = torch.bfloat16
@@ -171,10 +171,38 @@ def _check_state_dicts(rank: int, ws: int, seed: int, device: str = "cpu") -> No
     assert torch.equal(twin(x), ep(x))
 
 
+def _check_nonfinite_token(rank: int, ws: int, seed: int, device: str = "cpu") -> None:
+    """One NaN token, on rank 0 only. ``check_finite="flag"``: every rank's outputs are the
+    single-process layer's (the NaN token's own output NaN). ``"raise"``: every rank raises
+    `NonFiniteInputError` (the count is summed over the group, so no rank is left waiting in an
+    all-to-all), and the group keeps working after."""
+    ref, x, _, tokens = _build(seed, ws, "mxfp8", {}, device)
+    ep = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, backend=LAYER_BACKEND[device], device=device,
+                  ep_group=dist.group.WORLD)
+    ep.load_state_dict(ref.state_dict())
+    lo = sum(tokens[:rank])
+    sl = slice(lo, lo + tokens[rank])
+    xb = x.clone()
+    xb[0, 5] = float("nan")  # rank 0's first token
+    with torch.no_grad():
+        y_ref = ref(xb)[sl]
+        y = ep(xb[sl])
+    mine = 1 if rank == 0 else 0
+    assert ep.nonfinite_tokens.item() == mine
+    good = torch.arange(tokens[rank], device=device) != (0 if mine else -1)
+    assert torch.equal(y[good], y_ref[good]) and y[~good].isnan().all()
+    ep.check_finite = "raise"
+    with pytest.raises(NonFiniteInputError, match="1 token.s. of the expert-parallel group"):
+        ep(xb[sl])
+    with torch.no_grad():
+        assert torch.equal(ep(x[sl]), ref(x)[sl])
+
+
 def _run_all(rank: int, ws: int, seed: int, device: str) -> None:
     for case in CASES if device == "cuda" else CASES_RUN[ws]:
         _check_case(rank, ws, seed, case, device)
     _check_state_dicts(rank, ws, seed, device)
+    _check_nonfinite_token(rank, ws, seed, device)
     if ws > 1:
         with pytest.raises(ValueError, match="multiple of the expert-parallel group size"):
             MXFP8MoE(DIM, HIDDEN, ws + 1, 1, ep_group=dist.group.WORLD)

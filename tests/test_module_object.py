@@ -57,11 +57,30 @@ def test_constructor_refuses_bad_arguments_in_one_line(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "sm90", "sm100"])
-def test_constructor_accepts_every_backend_name(backend):
-    # A kernel backend is only checked against the hardware at the first forward: the layer may
-    # be built on the CPU and moved to the GPU afterwards.
+def test_constructor_accepts_every_backend_name(backend, monkeypatch):
+    # Where CUDA exists, a kernel backend is only checked against the GPU at the first forward:
+    # the layer may be built on the CPU and moved to the GPU afterwards.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert _layer(backend=backend).backend == backend
     assert _layer(aux_loss_coef=0).aux_loss_coef == 0.0
+
+
+@pytest.mark.parametrize("backend", ["sm90", "sm100"])
+def test_kernel_backend_without_cuda_fails_in_the_constructor(backend, monkeypatch):
+    """On a machine without CUDA a kernel backend can never run: one line at construction
+    (not a traceback from deep inside the first forward); the BF16 twin ignores the name."""
+    from moe_mxfp8 import backend as B
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=f"backend='{backend}' needs a CUDA GPU, but torch "
+                                           "sees none") as info:
+        _layer(backend=backend)
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv(B.ENV_VAR, backend)
+    with pytest.raises(RuntimeError, match=f"MOE_MXFP8_BACKEND='{backend}' needs a CUDA GPU"):
+        _layer(backend="auto")
+    _layer(backend="reference")
+    _layer(backend=backend, precision="bf16")
 
 
 def test_bad_backend_environment_variable_fails_in_the_constructor(monkeypatch):

@@ -24,12 +24,14 @@ expert's grads are bit-identical to the twin's (same BF16 ops on the same x and 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from moe_mxfp8 import MXFP8MoE
+from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
 
 OUT_MIN_DB = 23.0
 INPUT_GRAD_MIN_DB = 22.5  # no shared expert: measured 23.2-23.6 dB (see the module docstring)
@@ -359,6 +361,8 @@ def test_compile_matches_eager(rng, opts):
         ({"num_shared_experts": 1.0}, ValueError, "num_shared_experts"),
         ({"weight_blocks": "16x16"}, ValueError, "weight_blocks"),
         ({"weight_blocks": 32}, ValueError, "weight_blocks"),
+        ({"check_finite": "warn"}, ValueError, "check_finite must be one of"),
+        ({"check_finite": None}, ValueError, "check_finite must be one of"),
     ],
 )
 def test_bad_constructor_args(kwargs, exc, match):
@@ -382,11 +386,199 @@ def test_bad_forward_inputs():
         mx(torch.ones(3, 64, dtype=torch.int32))
     with pytest.raises(ValueError, match="parameters are on"):
         mx(torch.randn(3, 64, dtype=BF16, device="meta"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite tokens: never an error by default, and only the token itself is affected
+# ---------------------------------------------------------------------------------------------
+
+NONFINITE_LAYERS = [{}, {"scale_blocks": "1x128"}, {"precision": "bf16"}]
+NONFINITE_IDS = ["mxfp8-1x32", "mxfp8-1x128", "bf16"]
+
+
+def _out_and_input_grad(layer, x, dy):
+    """Output and input gradient of the task loss ``<y, dy>`` alone (the batch-level aux loss
+    depends on every token's routing, so it is left out here)."""
+    xa = x.clone().requires_grad_()
+    y = layer(xa)
+    (y.float() * dy.float()).sum().backward()
+    return y.detach(), xa.grad
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("opts", NONFINITE_LAYERS, ids=NONFINITE_IDS)
+def test_nonfinite_token_affects_only_itself(rng, opts, score_func, bad):
+    """Default ``check_finite="flag"``: no error; the token's output and input gradient are NaN,
+    every other token's are bit for bit those of the same batch with a finite token there, and
+    ``nonfinite_tokens`` counts it (on the device)."""
+    layer = MXFP8MoE(128, 128, 4, 2, backend="reference", score_func=score_func, **opts)
+    x = torch.randn(70, 128, generator=rng).to(BF16)  # 70 pairs per expert: partial blocks too
+    dy = torch.randn(70, 128, generator=rng).to(BF16)
+    t = 33
+    y, dx = _out_and_input_grad(layer, x, dy)
+    assert layer.nonfinite_tokens.item() == 0
+    xb = x.clone()
+    xb[t, 5] = bad
+    yb, dxb = _out_and_input_grad(layer, xb, dy)
+    assert layer.nonfinite_tokens.dtype == torch.int64 and layer.nonfinite_tokens.item() == 1
+    others = torch.arange(70) != t
+    assert torch.equal(yb[others], y[others]) and torch.equal(dxb[others], dx[others])
+    assert yb[t].isnan().all() and dxb[t].isnan().all()
+
+
+@pytest.mark.parametrize("opts", NONFINITE_LAYERS, ids=NONFINITE_IDS)
+def test_nonfinite_token_routing_is_fixed(opts):
+    """A non-finite token goes to experts 0..k-1 (top-k of NaN scores is unspecified; this is
+    the same choice on every backend)."""
+    layer = MXFP8MoE(64, 64, 8, 3, backend="reference", **opts)
+    x = torch.full((2, 64), float("nan"), dtype=BF16)
+    x[1] = torch.inf
+    y = layer(x)
+    assert layer.tokens_per_expert.tolist() == [2, 2, 2, 0, 0, 0, 0, 0]
+    assert y.isnan().all()
+
+
+def test_nonfinite_router_weight_makes_every_output_nan(rng):
+    """NaN in router.weight: every token is non-finite and every output NaN, never a finite
+    output from the stand-in routing."""
+    layer = MXFP8MoE(64, 64, 4, 2, backend="reference", score_func="sigmoid",
+                     renormalize=False)
+    with torch.no_grad():
+        layer.router.weight[3, 7] = float("nan")  # only expert 3's score is NaN
+    y = layer(torch.randn(9, 64, generator=rng).to(BF16))
+    assert layer.nonfinite_tokens.item() == 9 and y.isnan().all()
+
+
+def test_check_finite_raise_is_one_error_type_eager_and_compiled(rng):
+    """``check_finite="raise"``: `NonFiniteInputError` (a ValueError) in eager mode and under
+    ``torch.compile(fullgraph=True)``; a clean batch passes in both; the bools are the older
+    spellings."""
+    layer = MXFP8MoE(64, 64, 4, 2, backend="reference", check_finite="raise")
+    assert issubclass(NonFiniteInputError, ValueError)
+    x = torch.randn(2, 12, 64, generator=rng).to(BF16)
+    xb = x.clone()
+    xb[1, 3, 0] = float("nan")
+    xb[0, 0, 9] = float("inf")
+    with pytest.raises(NonFiniteInputError, match="not finite for 2 token.s. of 24 in this batch"):
+        layer(xb)
+    want = layer(x)
+    assert layer.nonfinite_tokens.item() == 0
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x), want)
+        with pytest.raises(NonFiniteInputError, match="not finite for 2 token"):
+            compiled(xb)
+        assert torch.equal(compiled(x), want)
+    finally:
+        torch._dynamo.reset()
+    layer.check_finite = False
+    assert layer.check_finite == "flag" and layer(xb)[0, 0].isnan().all()
+    layer.check_finite = True
+    assert layer.check_finite == "raise"
+    with pytest.raises(ValueError, match="check_finite must be one of"):
+        layer.check_finite = "off"
+
+
+def nan_batch_then_clean_step(device: str, opts: dict, seed: int = 0):
+    """A training loop that skips a step whose gradient norm is not finite (as loss scalers and
+    grad-norm guards do): a batch with one NaN token, then a clean batch, in one process.
+
+    Checks: the NaN step is skipped and leaves the parameters finite and unchanged; the clean
+    step then gives the output, gradients and updated parameters of a fresh layer (bit for bit).
+    """
+    torch.manual_seed(seed)
+    layer = MXFP8MoE(128, 256, 4, 2, device=device, **opts)
+    fresh = copy.deepcopy(layer)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 96, 128, generator=g).to(device, BF16)
+    x_bad = x.clone()
+    x_bad[1, 17, 40] = float("nan")
+
+    def step(m, opt, batch):
+        y = m(batch)
+        (y.float().pow(2).mean() + m.aux_loss).backward()
+        norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        stepped = bool(torch.isfinite(norm))  # the loop's one host sync
+        if stepped:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return y.detach(), grads, stepped
+
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    y_bad, g_bad, stepped = step(layer, opt, x_bad)
+    assert not stepped and layer.nonfinite_tokens.item() == 1
+    assert y_bad[1, 17].isnan().all() and torch.isfinite(y_bad[0]).all()
+    for n, p in layer.named_parameters():
+        assert torch.isfinite(p).all() and torch.equal(p, before[n]), n
+    y, grads, stepped = step(layer, opt, x)
+    y_f, grads_f, stepped_f = step(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), x)
+    assert stepped and stepped_f and layer.nonfinite_tokens.item() == 0
+    assert torch.equal(y, y_f)
+    for n, p in layer.named_parameters():
+        assert torch.equal(grads[n], grads_f[n]), n
+        assert torch.equal(p, dict(fresh.named_parameters())[n]) and torch.isfinite(p).all(), n
+
+
+@pytest.mark.parametrize("opts", NONFINITE_LAYERS, ids=NONFINITE_IDS)
+def test_training_loop_skips_a_nan_batch_and_goes_on(opts):
+    nan_batch_then_clean_step("cpu", {"backend": "reference", **opts})
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("opts", NONFINITE_LAYERS, ids=NONFINITE_IDS)
+def test_gpu_nan_batch_never_stops_the_process(opts):
+    """On CUDA (the kernels: GEMMs and the Triton data path): a NaN batch forward+backward
+    raises nothing and poisons nothing (no device-side assert), a skipped step keeps the
+    parameters finite, and the next clean step in the same process equals a fresh layer's bit
+    for bit; the non-finite token's own output is NaN, the other tokens' outputs are those of
+    the clean batch."""
+    nan_batch_then_clean_step("cuda", opts)
+    torch.manual_seed(1)
+    layer = MXFP8MoE(256, 256, 8, 2, device="cuda", **opts)
+    x = torch.randn(1000, 256, device="cuda").to(BF16)
+    dy = torch.randn_like(x)
+    y, dx = _out_and_input_grad(layer, x, dy)
     for bad in (float("nan"), float("inf")):
-        x = torch.randn(3, 64, dtype=BF16)
-        x[1, 5] = bad
-        with pytest.raises(ValueError, match="not finite"):
-            mx(x)
+        xb = x.clone()
+        xb[500, 100] = bad
+        yb, dxb = _out_and_input_grad(layer, xb, dy)
+        others = torch.arange(1000, device="cuda") != 500
+        assert torch.equal(yb[others], y[others]) and torch.equal(dxb[others], dx[others])
+        assert yb[500].isnan().all() and dxb[500].isnan().all()
+        assert layer.nonfinite_tokens.item() == 1
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("opts", NONFINITE_LAYERS, ids=NONFINITE_IDS)
+def test_gpu_check_finite_raise_eager_and_compiled(opts):
+    """``check_finite="raise"`` on CUDA: `NonFiniteInputError` in eager mode and under
+    ``torch.compile`` (inductor), and the CUDA context keeps working after each."""
+    torch.manual_seed(0)
+    layer = MXFP8MoE(128, 256, 4, 2, device="cuda", check_finite="raise", **opts)
+    x = torch.randn(4, 64, 128, device="cuda").to(BF16)
+    xb = x.clone()
+    xb[2, 5, 0] = float("nan")
+    want = layer(x)
+    with pytest.raises(NonFiniteInputError, match="not finite for 1 token.s. of 256"):
+        layer(xb)
+    assert torch.equal(layer(x), want)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(layer, fullgraph=True)
+        compiled(x)
+        with pytest.raises(NonFiniteInputError, match="not finite for 1 token"):
+            compiled(xb)
+        assert torch.isfinite(compiled(x)).all()
+    finally:
+        torch._dynamo.reset()
+    torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,13 +15,18 @@ such as atomics-based reductions may not be deterministic).
 
 Outputs in ``--out``: ``log.csv`` (one row per step: step, train_loss, val_loss, tokens_per_s,
 lr, aux_loss, grad_norm; val_loss empty between evaluations), ``checkpoint/model.safetensors``
-(the model), ``checkpoint/state.pt`` (optimizer, RNG, step, run settings), ``run.json``.
+(the model, each tensor's SHA-256, and the SHA-256 of ``state.pt``), ``checkpoint/state.pt``
+(optimizer, RNG, step, run settings), ``run.json``. A resume verifies both files' checksums.
+
+A step whose loss or gradient norm is not finite stops the run with one line before its
+optimizer step (the parameters and the last checkpoint stay as they were).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import os
@@ -29,6 +34,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -36,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from moe_mxfp8.backend import BACKENDS
+from moe_mxfp8.backend import BACKENDS, KERNEL_BACKENDS, resolve_backend
 from moe_mxfp8.reference import SCALE_BLOCKS
 
 from . import data as D
@@ -46,6 +52,7 @@ CSV_FIELDS = ("step", "train_loss", "val_loss", "tokens_per_s", "lr", "aux_loss"
 CKPT_DIR = "checkpoint"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
+STATE_SHA256_KEY = "state_sha256"  # model.safetensors metadata: SHA-256 of its state.pt
 # What a run writes into --out: an --out holding any of these is an existing run, which only
 # --resume (continue it) or --overwrite (delete these, start over) may touch.
 RUN_FILES = ("log.csv", "run.json", CKPT_DIR)
@@ -151,6 +158,13 @@ def device_arg(text: str) -> torch.device:
     return dev
 
 
+def out_arg(text: str) -> str:
+    """argparse ``type=``: a directory path (an empty one would mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a directory, got an empty path")
+    return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a one-line error (argparse's own repeats the whole usage block first)."""
 
@@ -168,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), default="cpu-tiny")
     p.add_argument("--steps", type=pos, default=None, help="default: the preset's")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", type=out_arg, required=True, help="output directory")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in OUT from its checkpoint")
@@ -217,6 +231,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         # Keep the preset's warm-up fraction when only the length changes.
         frac = TRAIN_PRESETS[args.preset].warmup_steps / TRAIN_PRESETS[args.preset].steps
         tc = replace(tc, warmup_steps=max(1, round(frac * tc.steps)))
+    if tc.warmup_steps > tc.steps:
+        raise SystemExit(f"error: --warmup-steps {tc.warmup_steps} is more than the run's "
+                         f"{tc.steps} steps (the learning rate would never reach its peak)")
     if tc.seq_len + 1 >= min(tc.max_train_bytes, tc.max_val_bytes):
         raise SystemExit(f"error: --seq-len {tc.seq_len} does not fit the preset's data "
                          f"({min(tc.max_train_bytes, tc.max_val_bytes)} bytes)")
@@ -225,6 +242,16 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def default_backend(device: torch.device) -> str:
     return "reference" if device.type == "cpu" else "auto"
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """A kernel backend that cannot run on ``device`` is one line before anything runs (not a
+    traceback from the first step)."""
+    if backend in KERNEL_BACKENDS:
+        try:
+            resolve_backend(backend, device)
+        except RuntimeError as e:
+            raise SystemExit(f"error: --backend {backend} cannot run here: {e}") from None
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -296,6 +323,16 @@ class Progress:
             self.width = 0
 
 
+class NonFiniteStep(SystemExit):
+    """A step whose loss or gradient norm is not finite: the run stops with one line before
+    that step's optimizer update (parameters and the last checkpoint unchanged)."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        super().__init__(f"error: step {step}: loss {loss}, gradient norm {grad_norm}: not "
+                         "finite; stopped before its optimizer step (the parameters and the "
+                         "last checkpoint are unchanged)")
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during training, after the current step finished and was checkpointed."""
 
@@ -361,11 +398,19 @@ def load_model_file(model: torch.nn.Module, path: Path) -> None:
     checkpoint.load_file(model, path, strict=True, device=next(model.parameters()).device)
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def save_checkpoint(out: Path, model, opt, step: int, settings: dict) -> None:
+    """``state.pt`` first, then ``model.safetensors`` recording its SHA-256 (and, through
+    `moe_mxfp8.checkpoint`, each tensor's): a resume detects damaged bytes in either file."""
     ckpt = out / CKPT_DIR
     ckpt.mkdir(parents=True, exist_ok=True)
-    meta = {"step": str(step), "settings": json.dumps(settings, sort_keys=True)}
-    _atomic(ckpt / MODEL_FILE, lambda p: save_model_file(model, p, meta))
     state = {
         "step": step,
         "optimizer": opt.state_dict(),
@@ -374,6 +419,9 @@ def save_checkpoint(out: Path, model, opt, step: int, settings: dict) -> None:
         "settings": settings,
     }
     _atomic(ckpt / STATE_FILE, lambda p: torch.save(state, p))
+    meta = {"step": str(step), "settings": json.dumps(settings, sort_keys=True),
+            STATE_SHA256_KEY: file_sha256(ckpt / STATE_FILE)}
+    _atomic(ckpt / MODEL_FILE, lambda p: save_model_file(model, p, meta))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -442,12 +490,20 @@ def load_checkpoint(out: Path, model, opt, settings: dict) -> int:
                          f"with --overwrite")
     try:
         with safe_open(str(model_path), framework="pt") as f:
-            model_step = int((f.metadata() or {}).get("step", -1))
+            model_meta = f.metadata() or {}
+        model_step = int(model_meta.get("step", -1))
     except Exception as e:  # noqa: BLE001 -- safetensors' header errors, one line
         raise _unreadable(model_path, e, "safetensors") from None
     if model_step != state["step"]:
         raise CheckpointError(ckpt, f"{MODEL_FILE} is of step {model_step} but {STATE_FILE} "
                                     f"of step {state['step']}")
+    want = model_meta.get(STATE_SHA256_KEY)
+    if want is None:
+        print(f"warning: {model_path} records no checksum of {STATE_FILE} (an older "
+              f"checkpoint); {STATE_FILE} is loaded unverified", file=sys.stderr, flush=True)
+    elif file_sha256(state_path) != want:
+        raise CheckpointError(state_path, f"corrupted: its SHA-256 differs from the one "
+                                          f"{MODEL_FILE} recorded when both were saved")
     try:
         load_model_file(model, model_path)
     except ValueError as e:  # moe_mxfp8.checkpoint: another layer configuration
@@ -466,31 +522,57 @@ def load_checkpoint(out: Path, model, opt, settings: dict) -> int:
 
 
 def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse an ``out`` that already holds a run unless asked to resume or overwrite it."""
+    """Refuse an ``out`` that already holds a run unless asked to resume or overwrite it, and
+    one that cannot be created or written to (one line, before anything in it changes)."""
     present = [name for name in RUN_FILES if (out / name).exists()]
     if present and not (resume or overwrite):
         raise SystemExit(f"error: {out} already holds a run ({', '.join(present)}): pass "
                          f"--resume to continue it or --overwrite to start over")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: --out {out} is not a writable directory "
+                         f"({e.strerror or type(e).__name__})") from None
     if overwrite:
         for name in present:
             path = out / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def _fmt(x: float | None) -> str:
     return "" if x is None else repr(float(x))
 
 
+def parse_log_row(r: dict) -> dict:
+    """A ``log.csv`` row (csv.DictReader's dict) as ``step`` int and floats (``None`` where
+    empty); ValueError for a line that is not such a row (a missing, extra or bad field)."""
+    if None in r or set(r) != set(CSV_FIELDS) or None in r.values():
+        raise ValueError(f"expected the {len(CSV_FIELDS)} fields {', '.join(CSV_FIELDS)}")
+    return {k: (int(v) if k == "step" else (float(v) if v != "" else None))
+            for k, v in r.items()}
+
+
 class CsvLog:
-    """``log.csv``; on resume, rows past the checkpoint's step are dropped first."""
+    """``log.csv``; on resume, rows past the checkpoint's step are dropped first, and so are
+    lines that are not log rows (a line cut short by a crash, say), each with a warning."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         rows = []
         if resume_step is not None and path.exists():
             with path.open(newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+                reader = csv.DictReader(f)
+                for r in reader:
+                    try:
+                        step = parse_log_row(r)["step"]
+                    except ValueError as e:
+                        print(f"warning: {path} line {reader.line_num}: not a log row, dropped "
+                              f"({e})", file=sys.stderr, flush=True)
+                        continue
+                    if step <= resume_step:
+                        rows.append(r)
         with path.open("w", newline="") as f:
             w = csv.DictWriter(f, CSV_FIELDS)
             w.writeheader()
@@ -505,8 +587,7 @@ class CsvLog:
 def read_log(path: Path) -> list[dict]:
     """``log.csv`` as dicts of floats (``None`` where empty), ``step`` as int."""
     with Path(path).open(newline="") as f:
-        return [{k: (int(v) if k == "step" else (float(v) if v != "" else None))
-                 for k, v in r.items()} for r in csv.DictReader(f)]
+        return [parse_log_row(r) for r in csv.DictReader(f)]
 
 
 @torch.no_grad()
@@ -544,6 +625,11 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
     if args.deterministic:
         set_deterministic()
     backend = args.backend or default_backend(device)
+    if args.precision == "mxfp8":
+        check_backend(backend, device)
+    elif args.scale_blocks != build_parser().get_default("scale_blocks"):
+        print(f"warning: --scale-blocks {args.scale_blocks} applies to --precision mxfp8 only; "
+              "this bf16 run ignores it", file=sys.stderr, flush=True)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise SystemExit(f"error: --out {out} is a file, not a directory")
@@ -605,11 +691,11 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
                 aux = model.aux_loss
                 (loss + aux).backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                loss_v, aux_v, gnorm_v = loss.item(), aux.item(), gnorm.item()
+                if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
+                    raise NonFiniteStep(step, loss_v, gnorm_v)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                loss_v, aux_v, gnorm_v = loss.item(), aux.item(), gnorm.item()
-                if not math.isfinite(loss_v):
-                    raise FloatingPointError(f"non-finite loss {loss_v} at step {step}")
                 tokens, seconds = x.numel(), time.perf_counter() - t0
                 prog.seconds += seconds
                 row = {"step": step, "train_loss": loss_v, "val_loss": None,

@@ -156,6 +156,103 @@ def test_checkpoint_of_another_step_pairing_is_refused(run_copy, tmp_path):
     assert "of step 2 but state.pt of step 4" in _exit_line(e)
 
 
+def _corrupt(path: Path, where: int, n: int = 100) -> None:
+    """Overwrite ``n`` bytes at ``where`` with 0xFF (NaN in float32 and BF16)."""
+    data = bytearray(path.read_bytes())
+    data[where:where + n] = b"\xff" * n
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_model_tensor_data_is_refused(run_copy):
+    """100 bytes overwritten inside a parameter's data: a plain load takes NaN parameters
+    without a word; the checksum names the file and the tensor."""
+    from moe_mxfp8 import checkpoint
+
+    path = run_copy / T.CKPT_DIR / T.MODEL_FILE
+    start, end = checkpoint._tensor_ranges(str(path))["blocks.0.moe.w_gate_up"]
+    _corrupt(path, (start + end) // 2)
+    with pytest.raises(SystemExit) as e:
+        T.run([*MICRO, "--out", str(run_copy), "--resume"])
+    msg = _exit_line(e)
+    assert str(path) in msg and "tensor 'blocks.0.moe.w_gate_up' is corrupted" in msg, msg
+
+
+def test_corrupted_optimizer_state_is_refused(run_copy):
+    """100 bytes overwritten inside the largest tensor of state.pt (torch.load itself reads
+    them as they are): its SHA-256, recorded in model.safetensors, tells."""
+    import zipfile
+
+    path = run_copy / T.CKPT_DIR / T.STATE_FILE
+    with zipfile.ZipFile(path) as z:
+        big = max(z.infolist(), key=lambda i: i.file_size)
+        member = z.read(big.filename)
+    at = path.read_bytes().find(member)
+    assert at > 0 and big.file_size > 400
+    _corrupt(path, at + big.file_size // 2)
+    with pytest.raises(SystemExit) as e:
+        T.run([*MICRO, "--out", str(run_copy), "--resume"])
+    msg = _exit_line(e)
+    assert str(path) in msg and "corrupted: its SHA-256 differs" in msg, msg
+
+
+def test_checkpoint_without_checksums_still_resumes(run_copy, capsys):
+    """A checkpoint written before checksums were recorded resumes, with one warning line per
+    unverified file, and the run continues as an uninterrupted one."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moe_mxfp8 import checkpoint
+
+    path = run_copy / T.CKPT_DIR / T.MODEL_FILE
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: v for k, v in f.metadata().items()
+                if k not in (checkpoint.CHECKSUMS_KEY, T.STATE_SHA256_KEY)}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.warns(RuntimeWarning, match="records no tensor checksums"):
+        rows = T.run([*MICRO, "--out", str(run_copy), "--resume"])
+    assert [r["step"] for r in rows] == list(range(5, STEPS + 1))
+    assert f"records no checksum of {T.STATE_FILE}" in capsys.readouterr().err
+
+
+def test_nonfinite_grad_norm_stops_before_the_optimizer_step(run_copy, monkeypatch):
+    """A finite loss with an infinite gradient norm (as a corrupted checkpoint gave: losses of
+    1e27-1e35) stops the run with one line, before the optimizer step; the last checkpoint and
+    the log stay those of step 4."""
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def inf_norm(params, max_norm):
+        clip(params, max_norm)
+        return torch.tensor(float("inf"))
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", inf_norm)
+    steps = []
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a: steps.append(1))
+    with pytest.raises(SystemExit) as e:
+        T.run([*MICRO, "--out", str(run_copy), "--resume"])
+    msg = _exit_line(e)
+    assert msg.startswith("error: step 5:") and "gradient norm inf: not finite" in msg, msg
+    assert steps == []
+    assert [r["step"] for r in T.read_log(run_copy / "log.csv")] == [1, 2, 3, 4]
+    from moe_mxfp8 import checkpoint
+
+    assert checkpoint.read_metadata(run_copy / T.CKPT_DIR / T.MODEL_FILE)["step"] == "4"
+
+
+def test_garbage_lines_in_the_log_are_dropped_on_resume(run_copy, capsys):
+    """A line that is not a log row (a crash cut it short, say) is dropped with a warning naming
+    the file and the line; the resumed log holds every step once."""
+    log = run_copy / "log.csv"
+    with log.open("a") as f:
+        f.write("garbage,line\n")
+        f.write("5,2.5,,1000.0\n")  # cut short
+    rows = T.run([*MICRO, "--out", str(run_copy), "--resume"])
+    assert [r["step"] for r in rows] == list(range(5, STEPS + 1))
+    assert [r["step"] for r in T.read_log(log)] == list(range(1, STEPS + 1))
+    err = capsys.readouterr().err
+    assert f"{log} line 6: not a log row, dropped" in err and f"{log} line 7" in err, err
+
+
 # --- argument validation ---------------------------------------------------------------------
 
 BAD_TRAIN_ARGS = [
@@ -174,6 +271,8 @@ BAD_TRAIN_ARGS = [
     (["--device", "tpu"], "--device: expected cpu or cuda[:N]"),
     (["--device", "cuda:x"], "--device: expected cpu or cuda[:N]"),
     (["--backend", "bogus"], "--backend: invalid choice"),
+    (["--out", ""], "--out: must name a directory, got an empty path"),
+    (["--out", "  "], "--out: must name a directory"),
 ]
 
 
@@ -187,6 +286,45 @@ def test_bad_train_argument_is_one_usage_line(tmp_path, capsys, extra, expected)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
     assert not out.exists()  # refused before anything was written
+
+
+def test_warmup_longer_than_the_run_is_refused(tmp_path):
+    for extra, steps in ((["--warmup-steps", "13"], STEPS), (["--steps", "3", "--warmup-steps",
+                                                              "4"], 3)):
+        with pytest.raises(SystemExit) as e:
+            T.run([*MICRO, "--out", str(tmp_path / "x"), *extra])
+        msg = _exit_line(e)
+        assert f"is more than the run's {steps} steps" in msg, msg
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("where", ["/proc/moe_mxfp8_run", "below-a-file"])
+def test_unwritable_out_is_one_line(tmp_path, where):
+    if where == "below-a-file":
+        (tmp_path / "f").write_text("")
+        where = str(tmp_path / "f" / "run")
+    with pytest.raises(SystemExit) as e:
+        T.run([*MICRO, "--out", where])
+    msg = _exit_line(e)
+    assert msg.startswith(f"error: --out {where} is not a writable directory"), msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("backend", ["sm90", "sm100"])
+def test_kernel_backend_without_a_gpu_is_one_line_up_front(tmp_path, backend):
+    out = tmp_path / "x"
+    with pytest.raises(SystemExit) as e:
+        T.run([*MICRO, "--out", str(out), "--backend", backend])
+    msg = _exit_line(e)
+    assert f"--backend {backend} cannot run here" in msg and "needs CUDA" in msg, msg
+    assert not out.exists()
+
+
+def test_scale_blocks_with_bf16_warns_once(tmp_path, capsys):
+    T.run([*MICRO, "--out", str(tmp_path / "x"), "--precision", "bf16", "--scale-blocks",
+           "1x128", "--stop-after", "1"])
+    err = capsys.readouterr().err
+    assert err.count("--scale-blocks 1x128 applies to --precision mxfp8 only") == 1, err
 
 
 def test_seq_len_longer_than_the_data_is_refused(tmp_path):
