@@ -4,7 +4,8 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Uint8
-from moe_mxfp8.kernels.common import current_stream, packed_scale_offset, to_cute
+from moe_mxfp8.kernels.common import packed_scale_offset, to_cute
+from moe_mxfp8.kernels.native import cu_stream, current_stream
 
 from moe_mxfp8 import layout
 
@@ -24,8 +25,9 @@ def _launch(out: cute.Tensor, nb: Int32, rows: Int32, stream):
 
 rows, nb = 300, 7
 out = torch.full((layout.packed_scale_bytes(rows, nb),), 0xAB, dtype=torch.uint8, device="cuda")
-fn = cute.compile(_launch, to_cute(out), Int32(nb), Int32(rows), current_stream())
-fn(to_cute(out), Int32(nb), Int32(rows), current_stream())
+stream = cu_stream(current_stream(out.device))
+fn = cute.compile(_launch, to_cute(out), Int32(nb), Int32(rows), stream)
+fn(to_cute(out), Int32(nb), Int32(rows), stream)
 torch.cuda.synchronize()
 dense = (torch.arange(rows)[:, None] * 7 + torch.arange(nb)[None, :]) % 251
 got = layout.unpack_scales(out.cpu(), rows, nb)
