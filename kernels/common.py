@@ -1,4 +1,4 @@
-"""Pieces every CuTeDSL kernel of moe_mxfp8 shares: the torch -> CuTeDSL dtype map, tensor/stream
+"""Pieces every CuTeDSL kernel of moe_mxfp8 shares: the torch -> CuTeDSL dtype map, tensor
 conversion and the device mirror of the packed scale offset; target arch and compile cache
 are re-exported from `compile_cache` (which imports no CuTeDSL).
 
@@ -47,9 +47,3 @@ def to_cute(t: torch.Tensor, assumed_align: int = 16):
 
     return from_dlpack(t, assumed_align=assumed_align)
 
-
-def current_stream():
-    """The current torch CUDA stream as a CUstream."""
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)

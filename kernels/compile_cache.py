@@ -77,16 +77,43 @@ ARCH_ENV = "CUTE_DSL_ARCH"
 
 
 def target_arch() -> str:
-    """The arch string kernels compile for: ``$CUTE_DSL_ARCH``, else the current GPU's."""
+    """The arch string kernels compile for, which keys their cache entries: ``$CUTE_DSL_ARCH``,
+    else GPU 0's -- what CuTeDSL compiles for (its default reads device 0, not the current
+    device) -- or sm_100a without a GPU (the DSL's own default)."""
     env = os.environ.get(ARCH_ENV)
-    if env:
-        return env
+    return env if env else _default_arch()
+
+
+@functools.cache
+def _default_arch() -> str:
     import torch
 
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"sm_{major}{minor}a"
-    return "sm_100a"  # the DSL's own default without a GPU
+    return device_arch(0) if torch.cuda.is_available() else "sm_100a"
+
+
+@functools.cache
+def device_arch(index: int) -> str:
+    """The arch string of GPU ``index`` (``sm_90a``, ``sm_100a``, ...)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}a"
+
+
+def launch_arch(device) -> str:
+    """`target_arch`, checked against the GPU a kernel is about to run on (``device``, a
+    ``torch.device``): a GPU of another arch than GPU 0 cannot run what CuTeDSL compiled (and
+    its loader loads every kernel onto every GPU), so it is refused with a clear error rather
+    than keyed and launched as if it were GPU 0. ``$CUTE_DSL_ARCH`` is taken as given."""
+    arch = target_arch()
+    if device.type == "cuda" and not os.environ.get(ARCH_ENV):
+        found = device_arch(device.index)
+        if found != arch:
+            raise RuntimeError(
+                f"moe_mxfp8: {device} is {found} but the kernels compile for GPU 0's {arch}; "
+                "GPUs of different architectures in one process are not supported (select "
+                "one kind with CUDA_VISIBLE_DEVICES)")
+    return arch
 
 
 def _warn_once(msg: str) -> None:

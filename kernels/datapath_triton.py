@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import on_device
 from .mx_format import BLOCK_128, BLOCK_SIZE, K_GROUP_ALIGN
 
 try:  # libdevice's expf is what PyTorch's CUDA silu calls (bit-identical SwiGLU)
@@ -588,7 +589,8 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr
 
 
 # ---------------------------------------------------------------------------------------------
-# Host wrappers (allocation and launch only; argument checks live in moe_mxfp8.datapath)
+# Host wrappers (allocation and launch only; argument checks live in moe_mxfp8.datapath).
+# Each launches on its inputs' GPU (`device.on_device`): Triton launches on the current one.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -633,8 +635,10 @@ def dispatch(x, src, tbl, top_k, outs, ablk=BLOCK, aligned=False):
     if tbl.shape[0] == 0 or d == 0:
         return
     ptrs, flags = _quant_outs(outs, x)
-    _dispatch_kernel[_grid_rows(tbl, d)](x, src, tbl, *ptrs, d, m, top_k, (d + 127) // 128 * 128,
-                                         **flags, **_row_meta(ablk, aligned, "dispatch"))
+    with on_device(x.device):
+        _dispatch_kernel[_grid_rows(tbl, d)](x, src, tbl, *ptrs, d, m, top_k,
+                                             (d + 127) // 128 * 128, **flags,
+                                             **_row_meta(ablk, aligned, "dispatch"))
 
 
 def gather_sum(src, rows, out):
@@ -643,8 +647,9 @@ def gather_sum(src, rows, out):
     if t == 0 or d == 0:
         return
     grid = (triton.cdiv(t, TOK_TILE), triton.cdiv(d, COL_TILE))
-    _gather_sum_kernel[grid](src, rows, out, t, d, TOPK=k, INTERP=INTERPRET, TB=TOK_TILE,
-                             CB=COL_TILE, num_warps=4)
+    with on_device(src.device):
+        _gather_sum_kernel[grid](src, rows, out, t, d, TOPK=k, INTERP=INTERPRET, TB=TOK_TILE,
+                                 CB=COL_TILE, num_warps=4)
 
 
 def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
@@ -652,9 +657,10 @@ def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
     if tbl.shape[0] == 0 or hh == 0:
         return
     ptrs, flags = _quant_outs(outs, h)
-    _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m, (hh + 127) // 128 * 128,
-                                            **flags,
-                                            **_row_meta(ablk, aligned, "swiglu_fwd"))
+    with on_device(h.device):
+        _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m,
+                                                (hh + 127) // 128 * 128, **flags,
+                                                **_row_meta(ablk, aligned, "swiglu_fwd"))
 
 
 def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
@@ -663,9 +669,10 @@ def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
         return
     ptrs, flags = _quant_outs(outs, h)
     joint = hh % ablk != 0
-    _swiglu_bwd_kernel[_grid_rows(tbl, 2 * hh if joint else hh)](
-        da, h, src, tbl, *ptrs, hh, m, (2 * hh + 127) // 128 * 128, **flags, JOINT=joint,
-        **_row_meta(ablk, aligned, "swiglu_bwd"))
+    with on_device(h.device):
+        _swiglu_bwd_kernel[_grid_rows(tbl, 2 * hh if joint else hh)](
+            da, h, src, tbl, *ptrs, hh, m, (2 * hh + 127) // 128 * 128, **flags, JOINT=joint,
+            **_row_meta(ablk, aligned, "swiglu_bwd"))
 
 
 def combine_fwd(y, rows, weights, out):
@@ -674,8 +681,9 @@ def combine_fwd(y, rows, weights, out):
     if t == 0 or d == 0:
         return
     grid = (triton.cdiv(t, TOK_TILE), triton.cdiv(d, COL_TILE))
-    _combine_fwd_kernel[grid](y, rows, weights, out, t, d, TOPK=k, INTERP=INTERPRET,
-                              TB=TOK_TILE, CB=COL_TILE, num_warps=4)
+    with on_device(y.device):
+        _combine_fwd_kernel[grid](y, rows, weights, out, t, d, TOPK=k, INTERP=INTERPRET,
+                                  TB=TOK_TILE, CB=COL_TILE, num_warps=4)
 
 
 def combine_bwd(dout, y, weights, src, tbl, top_k, outs, part, ablk=BLOCK, aligned=False):
@@ -684,8 +692,9 @@ def combine_bwd(dout, y, weights, src, tbl, top_k, outs, part, ablk=BLOCK, align
     if tbl.shape[0] == 0 or d == 0:
         return
     ptrs, flags = _quant_outs(outs, y)
-    _combine_bwd_kernel[_grid_rows(tbl, d)](
-        dout, y, weights, src, tbl, *ptrs,
-        dout.new_empty(1, dtype=torch.float32) if part is None else part,
-        d, m, top_k, (d + 127) // 128 * 128, **flags, DW=part is not None,
-        **_row_meta(ablk, aligned, "combine_bwd"))
+    with on_device(y.device):
+        _combine_bwd_kernel[_grid_rows(tbl, d)](
+            dout, y, weights, src, tbl, *ptrs,
+            dout.new_empty(1, dtype=torch.float32) if part is None else part,
+            d, m, top_k, (d + 127) // 128 * 128, **flags, DW=part is not None,
+            **_row_meta(ablk, aligned, "combine_bwd"))

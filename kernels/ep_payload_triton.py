@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .datapath_triton import INTERPRET, QBLK, _row_blocks
+from .device import on_device
 from .mx_format import BLOCK_SIZE
 
 ROWS = 16  # payload rows per program
@@ -93,7 +94,9 @@ def pack_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if r == 0 or d == 0:
         return out
     grid = (triton.cdiv(r, ROWS), triton.cdiv(d, COLS))
-    _pack_kernel[grid](x, index, out, r, d, INTERP=INTERPRET, RB=ROWS, CB=COLS, num_warps=4)
+    with on_device(x.device):
+        _pack_kernel[grid](x, index, out, r, d, INTERP=INTERPRET, RB=ROWS, CB=COLS,
+                           num_warps=4)
     return out
 
 
@@ -104,5 +107,6 @@ def unpack_rows(rows: torch.Tensor, d: int) -> torch.Tensor:
     if r == 0 or d == 0:
         return out
     grid = (triton.cdiv(r, ROWS), triton.cdiv(d, COLS))
-    _unpack_kernel[grid](rows, out, r, d, INTERP=INTERPRET, RB=ROWS, CB=COLS, num_warps=4)
+    with on_device(rows.device):
+        _unpack_kernel[grid](rows, out, r, d, INTERP=INTERPRET, RB=ROWS, CB=COLS, num_warps=4)
     return out

@@ -64,11 +64,12 @@ def cu_stream(stream: Stream):
     return cuda.CUstream(stream.handle)
 
 
-def current_stream() -> Stream:
-    """torch's current CUDA stream."""
+def current_stream(device) -> Stream:
+    """torch's current CUDA stream of ``device`` (the operands' GPU: never the current
+    device's, which may be another GPU)."""
     import torch
 
-    return Stream(torch.cuda.current_stream().cuda_stream)
+    return Stream(torch.cuda.current_stream(device).cuda_stream)
 
 
 def c_compiler() -> str | None:

@@ -630,8 +630,9 @@ KERNEL_CLASSES = {
 }
 
 
-def build_quantizer(op: str, config: QuantConfig):
-    """Compile ``op``'s kernel for ``config`` (`quantize_launch.compile_quantizer` caches it)."""
+def build_quantizer(op: str, config: QuantConfig, stream=None):
+    """Compile ``op``'s kernel for ``config`` (`quantize_launch.compile_quantizer` caches it);
+    ``stream``: the launch's `native.Stream` (else the current one, or a fake one off CUDA)."""
     kern = KERNEL_CLASSES[op](config)
     why = kern.can_implement()
     if why:
@@ -640,6 +641,7 @@ def build_quantizer(op: str, config: QuantConfig):
     f8, u8, i32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32
     args = [make_ptr(t, 0, AddressSpace.gmem, assumed_align=16)
             for t in (in_t, f8, u8, f8, u8, i32, i32)]
-    stream = (cu_stream(current_stream()) if torch.cuda.is_available()
-              else cute.runtime.make_fake_stream())
+    if stream is None and torch.cuda.is_available():
+        stream = current_stream(torch.cuda.current_device())
+    stream = cu_stream(stream) if stream is not None else cute.runtime.make_fake_stream()
     return cute.compile(kern, *args, Int32(1), Int32(1), Int32(1), Int32(1), stream)

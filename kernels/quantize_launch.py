@@ -12,22 +12,25 @@ from __future__ import annotations
 import torch
 
 from . import mx_format as F
-from .compile_cache import CompileCache, target_arch
+from .compile_cache import CompileCache, launch_arch, target_arch
+from .device import on_device
 from .native import Ptr, current_stream
 from .quantize_config import DTYPE_NAMES, TILE_FEATURES, VEC_BYTES, QuantConfig
 
 _cache = CompileCache("quantize", cute=True)
 
 
-def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None):
+def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None, stream=None):
     """Compile (cached per op, config and arch) and return the callable; M stays symbolic.
-    A kernel in the disk cache loads without CuTeDSL; `quantize.build_quantizer` compiles."""
+    A kernel in the disk cache loads without CuTeDSL; `quantize.build_quantizer` compiles.
+    ``arch``: the arch CuTeDSL compiles for (default `compile_cache.target_arch`; a launch
+    passes `compile_cache.launch_arch`); ``stream``: the launch's."""
     arch = arch or target_arch()
 
     def build():
         from .quantize import build_quantizer
 
-        return build_quantizer(op, config)
+        return build_quantizer(op, config, stream)
 
     return _cache.get((op, config, arch), build)
 
@@ -59,15 +62,17 @@ def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_gro
         return
     if ctas > F.MAX_EXTENT:
         raise ValueError(f"moe_mxfp8 {op}: {ctas} tiles exceed the grid limit (2^31 - 1)")
-    fn = compile_quantizer(op, config)
     dummy = x.data_ptr()
 
     def p(t, dt):
         return Ptr(dt, t.data_ptr() if t is not None else dummy)
 
     f8, u8, i32 = "float8_e4m3fn", "uint8", "int32"
-    fn(p(x, config.dtype), p(q_row, f8), p(s_row, u8), p(q_col, f8), p(s_col, u8),
-       p(offs, i32), p(tile_ends, i32), m, n_groups, steps, n_vtiles, current_stream())
+    with on_device(x.device):  # the operands' GPU and its stream, whichever is current
+        stream = current_stream(x.device)
+        fn = compile_quantizer(op, config, launch_arch(x.device), stream)
+        fn(p(x, config.dtype), p(q_row, f8), p(s_row, u8), p(q_col, f8), p(s_col, u8),
+           p(offs, i32), p(tile_ends, i32), m, n_groups, steps, n_vtiles, stream)
 
 
 def _buffer(out, name, shape, dtype, device):

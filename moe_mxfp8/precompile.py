@@ -175,7 +175,8 @@ def precompile(model_or_shapes, tokens: int | Iterable[int] = DEFAULT_TOKENS, *,
         for layer in todo:
             for t in counts:
                 warm_layer(layer, t)
-        torch.cuda.synchronize()
+        for dev in {layer.w_gate_up.device for layer in todo}:  # each layer's GPU, not GPU 0
+            torch.cuda.synchronize(dev)
     finally:
         compile_cache.set_progress_hook(prev)
     summary["seconds"] = time.perf_counter() - t0

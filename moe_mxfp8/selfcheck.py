@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference as R
+from .kernels.device import on_device
 from .kernels.grouped_gemm.problem import MODE_M, MODES
 
 # Normalised error bounds, against the fp32 reference on identical MXFP8 operands. The kernel
@@ -206,11 +207,12 @@ class _Done:
 
 def device_fence(device):
     """A completion marker of the work queued so far on ``device``: a CUDA event recorded on
-    the current stream (``query()`` is True once the kernel finished, and raises on an
-    asynchronous device fault), or an always-complete marker off CUDA."""
+    that device's current stream (not the current device's: the kernel ran on ``device``;
+    ``query()`` is True once it finished, and raises on an asynchronous device fault), or an
+    always-complete marker off CUDA."""
     if torch.device(device).type == "cuda":
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(device))
         return event
     return _Done()
 
@@ -294,16 +296,17 @@ def ensure_verified(name: str, kernel: Callable, device, mode: str, problems=Non
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     key = (name, config, _device_key(device))
     if key not in _verdicts:
-        dev = torch.device(device)
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"moe_mxfp8: {name} checks itself on first use, which cannot happen during "
-                "CUDA-graph capture; run the op once eagerly before capturing"
-            )
-        with _lock:
-            if key not in _verdicts:
-                _verdicts[key] = run_selfcheck(kernel, mode, device, problems,
-                                               timeout_s=timeout_s, fence=fence)
+        dev = torch.device(key[2])
+        with on_device(dev):  # the device checked, whichever is current
+            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"moe_mxfp8: {name} checks itself on first use, which cannot happen during "
+                    "CUDA-graph capture; run the op once eagerly before capturing"
+                )
+            with _lock:
+                if key not in _verdicts:
+                    _verdicts[key] = run_selfcheck(kernel, mode, dev, problems,
+                                                   timeout_s=timeout_s, fence=fence)
     why = _verdicts[key]
     if why is not None:
         cfg = "" if config is None else f" compiled for {config}"
@@ -316,9 +319,14 @@ def ensure_verified(name: str, kernel: Callable, device, mode: str, problems=Non
 
 
 def verify_on_first_use(kernel_cls, config, device) -> None:
-    """The grouped GEMM launcher's first-use hook: check ``kernel_cls`` compiled for
-    ``config`` (its ``mode``, static N/K and output dtype) on one `pipeline_problem` that wraps
-    its stage ring, through the launcher itself (no hook, grid capped)."""
+    """The grouped GEMM launcher's first-use hook: check ``kernel_cls`` (its host or kernel
+    class) compiled for ``config`` (its ``mode``, static N/K and output dtype) on one
+    `pipeline_problem` that wraps its stage ring, through the launcher itself (no hook, grid
+    capped). Runs before every launch: a verified configuration returns after one dict look-up
+    (no check problem is built, no CuTeDSL imported)."""
+    name = f"{kernel_cls.kernel_name}.{config.mode}"
+    if _verdicts.get((name, config, _device_key(device)), False) is None:
+        return
     from .kernels.grouped_gemm import launcher
 
     tile_m, stages = kernel_cls.selfcheck_tiling(config)
@@ -329,8 +337,7 @@ def verify_on_first_use(kernel_cls, config, device) -> None:
         return launcher.grouped_mm(kernel_cls, config.mode, a, b, offs, out_dtype,
                                    max_clusters=max_clusters)
 
-    ensure_verified(f"{kernel_cls.__name__}.{config.mode}", run, device, config.mode,
-                    problems=(prob,), config=config)
+    ensure_verified(name, run, device, config.mode, problems=(prob,), config=config)
 
 
 def verdict(name: str, device, config=None) -> str | None | bool:

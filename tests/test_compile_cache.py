@@ -410,17 +410,48 @@ def test_link_shared_refuses_what_it_cannot_link(tmp_path, monkeypatch):
 
 def test_launch_path_imports_no_cutedsl():
     """Everything a launch of a cached kernel runs -- the API, the host classes, the launchers,
-    the compile cache and the native loader -- imports without CuTeDSL; the kernel classes
-    (compiles) are the only importers."""
+    the compile cache and the native loader, and on sm_100 the first-use self-check (its stage
+    count, check problem and verdict) -- imports without CuTeDSL; the kernel classes
+    (compiles) are the only importers. The sm_100 launches run on the CPU with a stand-in for
+    the cached kernel, as a natively loaded entry is held in memory."""
     code = textwrap.dedent("""
+        import dataclasses
         import sys
+        import torch
         import moe_mxfp8
-        from moe_mxfp8 import grouped_gemm, quantize
+        from moe_mxfp8 import grouped_gemm, quantize, selfcheck
         from moe_mxfp8.kernels import compile_cache, native, quantize_launch
         from moe_mxfp8.kernels.grouped_gemm import launcher, sm90_config, sm100_config
+        from moe_mxfp8.kernels.grouped_gemm import problem as P
         assert grouped_gemm._host_class("sm90") is sm90_config.GroupedGemmSm90Host
         assert quantize._kernel_module() is quantize_launch
         print("cutlass imported:", "cutlass" in sys.modules)
+
+        host = grouped_gemm._host_class("sm100")
+        launcher._grid_clusters = lambda *a: 1  # CUDA-only queries
+        launcher.current_stream = lambda *a: None
+        for mode in ("m", "k"):
+            prob = selfcheck.pipeline_problem(mode, 64, 96, torch.bfloat16, tile_m=128,
+                                              stages=2)
+            a, b, offs = selfcheck.make_operands(mode, prob, "cpu")
+            desc = (P.describe_m(a, b, offs, torch.bfloat16) if mode == "m"
+                    else P.describe_k(a, b, offs, torch.bfloat16))
+            aligned = desc if mode == "m" else dataclasses.replace(  # as the launcher aligns
+                desc, m=P.k_aligned_extent(desc.m, desc.num_groups))
+            cfg = host.select_config(aligned)
+            launches = []
+            key = (host.kernel_name, cfg, compile_cache.target_arch(), None)
+            launcher._CACHE._fns[key] = lambda *args: launches.append(args)  # "cached"
+            try:  # the kernel writes nothing: the first-use check runs and refuses it
+                grouped_gemm.run_kernel("sm100", desc, a, b, offs)
+                raise AssertionError("the check accepted an empty output")
+            except selfcheck.KernelSelfCheckError as err:
+                assert "self-check" in str(err) and len(launches) == 1, (err, launches)
+            selfcheck.reset()
+            selfcheck._verdicts[(f"{host.kernel_name}.{mode}", cfg, "cpu")] = None
+            grouped_gemm.run_kernel("sm100", desc, a, b, offs)  # verified: launches
+            assert len(launches) == 2
+        print("sm100 launch imported cutlass:", "cutlass" in sys.modules)
         from moe_mxfp8.kernels.grouped_gemm import sm90
         print("after the kernel class:", "cutlass" in sys.modules)
     """)
@@ -428,6 +459,7 @@ def test_launch_path_imports_no_cutedsl():
                          timeout=300, cwd=ROOT, env=_env())
     assert res.returncode == 0, res.stderr[-2000:]
     assert "cutlass imported: False" in res.stdout
+    assert "sm100 launch imported cutlass: False" in res.stdout
     assert "after the kernel class: True" in res.stdout
 
 
@@ -489,7 +521,8 @@ def test_precompile_arguments():
 
 def test_precompile_warms_each_distinct_layer_once_per_token_count(monkeypatch, cache_env):
     """Layers with the same kernel-relevant configuration are warmed once; every kernel the
-    warm-up obtains is counted (a stand-in warm-up compiles two fake kernels per call)."""
+    warm-up obtains is counted (a stand-in warm-up compiles two fake kernels per call); the
+    wait at the end is for the layers' device."""
     import importlib
 
     # the module (``moe_mxfp8.precompile`` the attribute is the function)
@@ -497,7 +530,8 @@ def test_precompile_warms_each_distinct_layer_once_per_token_count(monkeypatch, 
     monkeypatch.setattr(CC, "_dump_cutedsl", fake_dump)
     monkeypatch.setattr(CC, "_load_cutedsl", fake_load)
     monkeypatch.setattr(P, "resolve_backend", lambda backend, device: "sm90")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(a))
     fam = CC.CompileCache("test_precompile")
     warmed = []
 
@@ -515,6 +549,7 @@ def test_precompile_warms_each_distinct_layer_once_per_token_count(monkeypatch, 
         assert sorted(warmed) == [(64, 8), (64, 16), (96, 8), (96, 16)]
         assert (s["kernels"], s["compiled"], s["loaded"]) == (4, 4, 0)
         assert s["cache_dir"] == str(cache_env) and s["backends"] == ["sm90"]
+        assert synced == [(torch.device("cpu"),)]  # the layers' device, not the current one
         fam.clear()  # as in a new process: the kernels come from the cache now
         s = moe_mxfp8.precompile(model, tokens=8, progress=False)
         assert (s["kernels"], s["compiled"], s["loaded"]) == (4, 0, 4)

@@ -16,6 +16,8 @@ import importlib
 from .. import mx_format as F
 from .problem import MODE_K, MODE_M, GroupedProblem, can_implement, output_columns
 
+TILE_K = 128  # reduced elements per k-tile: 4 scale blocks = one packed 512-byte scale tile
+
 
 class GroupedGemmHost:
     """Host-side decisions shared by the arch kernels; subclasses set the class attributes."""
@@ -85,4 +87,4 @@ class GroupedGemmHost:
         return self.tiles_x() * -(-self.cfg.n // self.tile_m) * num_groups
 
 
-__all__ = ["GroupedGemmHost", "MODE_K", "MODE_M"]
+__all__ = ["GroupedGemmHost", "MODE_K", "MODE_M", "TILE_K"]

@@ -2,7 +2,8 @@
 
 `grouped_mm` takes an arch's host class (``GroupedGemmSm90Host``, ``GroupedGemmSm100Host``,
 or the kernel class, which subclasses it; the caller imports it, this module never imports an
-arch file) and MXFP8 operands, and launches on the current stream without a host sync.
+arch file) and MXFP8 operands, and launches on the operands' GPU (`device.on_device`) and its
+current stream, without a host sync.
 `compile_config` compiles one configuration with fake pointers -- the same signature the
 launch uses -- so CPU CI compiles exactly what a GPU runs; compiled kernels are cached per
 (kernel, config, arch) in memory and on disk. This module imports no CuTeDSL: a kernel loaded
@@ -19,7 +20,8 @@ from collections.abc import Callable
 import torch
 
 from .. import compile_cache
-from ..compile_cache import CompileCache, target_arch
+from ..compile_cache import CompileCache, launch_arch, target_arch
+from ..device import on_device
 from ..mx_format import TILE_BYTES
 from ..native import Ptr, cu_stream, current_stream
 from . import problem as P
@@ -40,10 +42,13 @@ def _host(host_cls, config):
     return host_cls.host_class()(config)
 
 
-def compile_config(kernel_cls, config, options: str | None = None, stream=None):
-    """The compiled kernel of one configuration for ``target_arch()``. Token count, group
-    count, scale buffer sizes and the grid are runtime Int32 arguments, so one compile serves
-    every call. ``options`` (e.g. ``"--keep-cubin"``): compile here, never load from disk."""
+def compile_config(kernel_cls, config, options: str | None = None, stream=None,
+                   arch: str | None = None):
+    """The compiled kernel of one configuration for ``arch`` (the arch CuTeDSL compiles for,
+    default `compile_cache.target_arch`; a launch passes `compile_cache.launch_arch`). Token
+    count, group count, scale buffer sizes and the grid are runtime Int32 arguments, so one
+    compile serves every call. ``options`` (e.g. ``"--keep-cubin"``): compile here, never load
+    from disk."""
 
     def build():
         import cutlass
@@ -65,7 +70,7 @@ def compile_config(kernel_cls, config, options: str | None = None, stream=None):
         return cute.compile(kern, *ptrs, Int32(1), Int32(1), Int32(TILE_BYTES),
                             Int32(TILE_BYTES), Int32(1), st, **kw)
 
-    key = (kernel_cls.kernel_name, config, target_arch(), options)
+    key = (kernel_cls.kernel_name, config, arch or target_arch(), options)
     return _CACHE.get(key, build, persist=not options)
 
 
@@ -138,6 +143,15 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
     result = P.output(prob, out)
     if prob.m == 0:
         return result if prob.mode == P.MODE_M else result.zero_()
+    with on_device(prob.device):  # the operands' GPU, whichever device is current
+        _launch(kernel_cls, prob, a, b, offs, result, aligned_groups, tuning, max_clusters,
+                first_use)
+    return result
+
+
+def _launch(kernel_cls, prob, a, b, offs, result, aligned_groups, tuning, max_clusters,
+            first_use) -> None:
+    """`run` on the operands' device: align, configure, check, compile or load, launch."""
     a_data, b_data = a.data, b.data
     offs = P.kernel_offs(offs)  # kept alive to the launch, which reads E consecutive int32
     if prob.mode == P.MODE_K and not aligned_groups:
@@ -153,10 +167,11 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
         if t.data_ptr() % P.TMA_ALIGN_BYTES:
             raise ValueError(f"{name} needs 16-byte aligned buffers")
     if first_use is not None and kernel_cls.check_on_first_use:
-        first_use(kernel_cls.kernel_class(), config, prob.device)
+        # the class as given (host or kernel): the check needs no CuTeDSL to look up its verdict
+        first_use(kernel_cls, config, prob.device)
     clusters = _grid_clusters(host, prob, max_clusters)
-    stream = current_stream()
-    fn = compile_config(kernel_cls, config, stream=stream)
+    stream = current_stream(prob.device)
+    fn = compile_config(kernel_cls, config, stream=stream, arch=launch_arch(prob.device))
     fp8, u8 = "float8_e4m3fn", "uint8"
     fn(Ptr(fp8, a_data.data_ptr()), Ptr(fp8, b_data.data_ptr()),
        Ptr(u8, a.scale.data_ptr()), Ptr(u8, b.scale.data_ptr()),
@@ -165,4 +180,3 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
        prob.m, prob.num_groups,
        a.scale.numel() // TILE_BYTES * TILE_BYTES,
        b.scale.numel() // TILE_BYTES * TILE_BYTES, clusters, stream)
-    return result

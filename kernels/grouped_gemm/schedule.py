@@ -25,9 +25,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .. import mx_format as F
+from .host import TILE_K
 from .problem import MODE_M, output_columns, scale_tile_index
-
-TILE_K = 128  # reduced elements per k-tile: 4 scale blocks = one packed 512-byte scale tile
 
 
 class GroupedTileSchedule:

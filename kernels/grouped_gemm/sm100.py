@@ -41,8 +41,6 @@ API runs `moe_mxfp8.selfcheck`, which refuses the kernel if it is wrong, hangs o
 
 from __future__ import annotations
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -57,15 +55,17 @@ from ..common import TORCH_TO_CUTLASS
 from ..mx_format import BLOCK_SIZE, TILE_BYTES, TILE_ROWS
 from .base import MODE_K, MODE_M, GroupedGemmBase
 from .schedule import TILE_K
-from .sm100_config import GroupedGemmSm100Config, GroupedGemmSm100Host  # noqa: F401
+from .sm100_config import (  # noqa: F401  (the config is re-exported)
+    EPI_STAGES,
+    GroupedGemmSm100Config,
+    GroupedGemmSm100Host,
+)
 
 SF_VEC_SIZE = BLOCK_SIZE  # MXFP8: one E8M0 scale per 32 elements along K (block32)
 MMA_K = 32  # K of one tcgen05.mma kind::mxf8f6f4 instruction (8-bit operands)
 K_BLOCKS_PER_TILE = TILE_K // MMA_K
 SF_TILE_ROWS = TILE_ROWS  # rows of one 512-byte packed scale tile
 SF_BOX = (4, 128)  # a 512-byte packed tile as a TMA box (inner box dimension <= 256 elements)
-SMEM_CAPACITY = 232448  # sm_100 opt-in shared memory per CTA (227 KiB)
-SMEM_RESERVED = 1024  # barriers, TMEM pointer, alignment slack
 TMEM_COLS = 512  # TMEM columns per SM; allocated whole (one CTA per SM)
 STORE_VECTOR_BYTES = 16  # partial output tiles: one 128-bit global store per 16 bytes
 EPI_WARPS = (0, 1, 2, 3)
@@ -94,14 +94,7 @@ class GroupedGemmSm100(GroupedGemmSm100Host, GroupedGemmBase):
         # Every CTA needs the scales of the whole MMA N extent, rounded up to 128-row tiles.
         self.sfb_row_tiles = -(-config.mma_n // SF_TILE_ROWS)
         self.num_acc_stage = 2
-        self.num_c_stage = 2
-
-    # ------------------------------------------------------------------ host-side decisions
-    @classmethod
-    def selfcheck_tiling(cls, config: GroupedGemmSm100Config) -> tuple[int, int]:
-        """(output tile rows, operand ring stages): what a first-use check must wrap; the
-        stage count comes from the kernel's own `_setup`."""
-        return config.mma_m, _pipeline_stages(config)
+        self.num_c_stage = EPI_STAGES
 
     # ------------------------------------------------------------------ static attributes
     def _setup(self):
@@ -150,12 +143,15 @@ class GroupedGemmSm100(GroupedGemmSm100Host, GroupedGemmBase):
         assert self.num_acc_cols + self.num_sfa_cols + self.num_sfb_cols <= TMEM_COLS
 
     def _compute_ab_stages(self) -> int:
-        a_bytes = self.cta_tile_mnk[0] * TILE_K
-        b_bytes = (self.mma_tiler[1] // self.atom_thr) * TILE_K
-        sf_bytes = TILE_BYTES * (self.cta_tile_mnk[0] // SF_TILE_ROWS + self.sfb_row_tiles)
+        """The configuration's stage count (`GroupedGemmSm100Config.ab_stages`, arithmetic the
+        launch path shares); its epilogue size must be the traced layout's, else the ring
+        would overrun shared memory or the first-use check would not wrap it."""
         c_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
         c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
-        return (SMEM_CAPACITY - SMEM_RESERVED - c_bytes) // (a_bytes + b_bytes + sf_bytes)
+        if c_bytes != self.cfg.epilogue_smem_bytes():
+            raise ValueError(f"epilogue staging is {c_bytes} bytes, the stage count assumed "
+                             f"{self.cfg.epilogue_smem_bytes()} (sm100_config.EPI_TILE)")
+        return self.cfg.ab_stages()
 
     # ------------------------------------------------------------------ launch
     @cute.jit
@@ -732,17 +728,3 @@ class GroupedGemmSm100(GroupedGemmSm100Host, GroupedGemmBase):
                 for j in cutlass.range_constexpr(vec):
                     frag[j] = tTR_rC[i + j]
                 dst.store(frag.load())
-
-
-@functools.cache
-def _pipeline_stages(config: GroupedGemmSm100Config) -> int:
-    kern = GroupedGemmSm100(config)
-    found = []
-
-    @cute.jit
-    def probe():  # traced only: the stage count is a static function of the configuration
-        kern._setup()
-        found.append(kern.num_ab_stage)
-
-    probe()
-    return found[0]

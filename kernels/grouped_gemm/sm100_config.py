@@ -9,8 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .host import GroupedGemmHost
+from ..mx_format import TILE_BYTES, TILE_ROWS
+from .host import TILE_K, GroupedGemmHost
 from .problem import MODE_K, MODE_M, GroupedProblem
+
+SMEM_CAPACITY = 232448  # sm_100 opt-in shared memory per CTA (227 KiB)
+SMEM_RESERVED = 1024  # barriers, TMEM pointer, alignment slack
+# The epilogue's shared-memory subtile (rows x columns of the output) and its stages: what
+# CuTeDSL's `compute_epilogue_tile_shape` picks for a 128 x 128 CTA tile without a source
+# tensor (128 rows, 4096 elements); the kernel checks its traced layout against this size.
+EPI_TILE = (128, 32)
+EPI_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,24 @@ class GroupedGemmSm100Config:
     @property
     def cluster_shape_mn(self) -> tuple[int, int]:
         return (2, 1) if self.two_cta else (1, 1)
+
+    @property
+    def cta_tile_m(self) -> int:
+        """Output rows per CTA (a CTA pair splits a 256-row MMA tile)."""
+        return self.mma_m // 2 if self.two_cta else self.mma_m
+
+    def epilogue_smem_bytes(self) -> int:
+        """Shared memory of the output staging buffer, all stages."""
+        return EPI_TILE[0] * EPI_TILE[1] * self.out_dtype.itemsize * EPI_STAGES
+
+    def ab_stages(self) -> int:
+        """Operand ring stages (one 128-wide k-tile of A, B and their scale tiles each): as
+        many as the shared memory left by the epilogue holds. Plain arithmetic, so the
+        launch path (the first-use check's problem) needs no CuTeDSL to know it."""
+        b_rows = self.mma_n // 2 if self.two_cta else self.mma_n
+        sf_tiles = self.cta_tile_m // TILE_ROWS + -(-self.mma_n // TILE_ROWS)
+        stage = (self.cta_tile_m + b_rows) * TILE_K + TILE_BYTES * sf_tiles
+        return (SMEM_CAPACITY - SMEM_RESERVED - self.epilogue_smem_bytes()) // stage
 
 
 class GroupedGemmSm100Host(GroupedGemmHost):
@@ -75,3 +102,8 @@ class GroupedGemmSm100Host(GroupedGemmHost):
 
     def cluster_size(self) -> int:
         return 2 if self.cfg.two_cta else 1
+
+    @classmethod
+    def selfcheck_tiling(cls, config: GroupedGemmSm100Config) -> tuple[int, int]:
+        """(output tile rows, operand ring stages): what a first-use check must wrap."""
+        return config.mma_m, config.ab_stages()

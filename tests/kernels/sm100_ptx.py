@@ -1,7 +1,11 @@
 """Static checks over the sm_100a grouped GEMM's PTX (used by test_grouped_gemm_sm100.py).
 
 A small def-use reader: PTX from NVVM is in (nearly) SSA form, so the expression that forms a
-``st.shared`` address can be read back through the defining instructions of its registers.
+shared-memory store's address can be read back through the defining instructions of its
+registers. Every instruction that writes shared memory at an address the kernel computes is a
+store here (`smem_write_address`): ``st.shared``, ``st.async``, ``stmatrix``, ``red.shared`` /
+``red.async``, ``atom.shared`` and the non-bulk ``cp.async`` -- any of them into a swizzled
+buffer must carry the swizzle. (TMA copies, ``cp.async.bulk``, swizzle in hardware.)
 """
 
 from __future__ import annotations
@@ -9,7 +13,8 @@ from __future__ import annotations
 import re
 
 _INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s+([^;]*);")
-_NO_DEF = ("st.", "mbarrier", "tcgen05", "cp.", "bar", "fence", "prefetch", "red.", "@")
+_NO_DEF = ("st.", "stmatrix", "mbarrier", "tcgen05", "cp.", "bar", "fence", "prefetch", "red.",
+           "@")
 
 
 def parse(ptx: str):
@@ -100,18 +105,40 @@ def swizzle_of(nodes, defs, lo: int, hi: int):
     return None
 
 
+def smem_write_address(op: str, ops: list[str]) -> str | None:
+    """The shared-memory address operand (``[...]``) an instruction writes through, or None
+    for an instruction that writes no shared memory at a computed address. ``stmatrix``,
+    ``st.async`` and ``red.async`` write shared memory whether or not they spell the state
+    space; ``atom`` returns the old value in its first operand."""
+    head = op.split(".")[0]
+    if head == "stmatrix" or op.startswith(("st.async", "red.async")):
+        return ops[0]
+    if head in ("st", "red") and ".shared" in op:
+        return ops[0]
+    if head == "atom" and ".shared" in op:
+        return ops[1]
+    if op.startswith("cp.async.c") and ".shared" in op:  # cp.async.ca / .cg (not .bulk)
+        return ops[0]
+    return None
+
+
 def shared_stores(ptx: str):
-    """Every generic-proxy ``st.shared`` with the buffer it writes and the swizzle its address
-    carries: [(line, opcode, buffer name or None, (mask, shift) or None)]."""
+    """Every instruction that writes shared memory at a computed address, with the buffer it
+    writes and the swizzle its address carries:
+    [(line, opcode, buffer name or None, (mask, shift) or None)]."""
     instrs = parse(ptx)
     defs = definitions(instrs)
     bufs = smem_buffers(instrs)
     bounds = sorted(bufs.items(), key=lambda kv: kv[1])
     found = []
     for line, op, ops in instrs:
-        if not op.startswith("st.shared"):
+        addr = smem_write_address(op, ops)
+        if addr is None:
             continue
-        m = re.match(r"\[(%\w+)(?:\+(-?\d+))?\]", ops[0])
+        m = re.match(r"\[(%\w+)(?:\+(-?\d+))?\]", addr)
+        if m is None:  # a symbol or immediate address: no buffer this reader can name
+            found.append((line, op, None, None))
+            continue
         nodes = expression(m.group(1), defs)
         imms = _imms(nodes) | ({int(m.group(2))} if m.group(2) else set())
         buf, swz = None, None

@@ -6,10 +6,12 @@ No Blackwell GPU ran this kernel. CI checks what can be checked without one:
   before CuTeDSL is imported) and its SASS holds the block-scaled MMA (UTCQMMA, .2CTA for the
   CTA-pair variant), the SMEM->TMEM scale copy (UTCCP), TMA loads/stores and no local memory
   (LDL/STL: register spills or stack arrays), and partial output tiles leave by 16-byte stores;
-* its PTX: every generic-proxy ``st.shared`` (the K-grouped tail zeroing, the epilogue
-  staging) carries the swizzle of the buffer's CuTeDSL layout, and the descriptor immediates
-  (instruction descriptor, scale-factor ids, TMEM columns, scale copy shape, smem descriptors,
-  transaction bytes, CTA-pair barrier masks) are the ones the PTX ISA derivation gives;
+* its PTX: every store into shared memory at a computed address (``st.shared``, ``stmatrix``,
+  ``st.async``, ``red``/``atom`` on shared memory, ``cp.async``: the K-grouped tail zeroing,
+  the epilogue staging) carries the swizzle of the buffer's CuTeDSL layout, and the
+  descriptor immediates (instruction descriptor, scale-factor ids, TMEM columns, scale copy
+  shape, smem descriptors, transaction bytes, CTA-pair barrier masks) are the ones the PTX ISA
+  derivation gives;
 * its configuration choice, and the dispatcher picks it on compute capability 10.x.
 
 The shared schedule and scale-tile addressing are tested in test_grouped_gemm_schedule.py, the
@@ -230,6 +232,52 @@ def test_sm100_ptx_shared_stores_carry_the_swizzle(sass, variant):
     # The check itself fails on the first version's unswizzled tail zeroing.
     bad = _check_shared_stores(_UNSWIZZLED_TAIL_PTX, swz)
     assert len(bad) == 1 and "into a carries swizzle None" in bad[0], bad
+
+
+# The buffers of _UNSWIZZLED_TAIL_PTX (TMA copies) and a store of each kind that writes shared
+# memory at a computed address, into A: {addr} is a register holding base + A's offset,
+# swizzled (x ^ ((x >> 3) & 112): the 128-byte swizzle S<3,4,3>) or not.
+_BUFFERS_PTX = "\n".join(_UNSWIZZLED_TAIL_PTX.splitlines()[:5]) + """
+	cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%rd65, {%r486, %r60, %r506}], [%r438+1024];
+	add.s32 	%r50, %r13, 17408;
+	shr.u32 	%r51, %r50, 3;
+	and.b32 	%r52, %r51, 112;
+	xor.b32 	%r53, %r50, %r52;
+"""  # noqa: E501
+_SMEM_WRITES = {
+    "st.shared": "st.shared.b32 	[{addr}], %r1;",
+    "stmatrix": "stmatrix.sync.aligned.m8n8.x4.shared.b16 	[{addr}], {{%r1, %r2, %r3, %r4}};",
+    "st.async": "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 	[{addr}], %r1, "
+                "[%r11];",
+    "red.shared": "red.shared.add.u32 	[{addr}], %r1;",
+    "red.async": "red.async.relaxed.cluster.shared::cluster.mbarrier::complete_tx::bytes.add"
+                 ".u32 	[{addr}], %r1, [%r11];",
+    "atom.shared": "atom.shared.add.u32 	%r70, [{addr}], %r1;",
+    "cp.async": "cp.async.ca.shared.global 	[{addr}], [%rd5], 16;",
+}
+_SWIZZLES_128B = ["S<3,4,3>", "S<3,4,3>", "S<3,4,3>"]
+
+
+@pytest.mark.parametrize("kind", list(_SMEM_WRITES))
+def test_ptx_swizzle_check_covers_every_shared_store(kind):
+    """The swizzle check reads every kind of shared-memory store, not only ``st.shared``: a
+    store of any kind into a swizzled operand buffer without the swizzle is reported, and
+    with the swizzle it passes."""
+    store = "\t" + _SMEM_WRITES[kind] + "\n"
+    bad = _check_shared_stores(_BUFFERS_PTX + store.format(addr="%r50"), _SWIZZLES_128B)
+    assert len(bad) == 1 and "into a carries swizzle None" in bad[0], bad
+    good = _check_shared_stores(_BUFFERS_PTX + store.format(addr="%r53"), _SWIZZLES_128B)
+    assert good == [], good
+
+
+def test_ptx_swizzle_check_ignores_what_writes_no_shared_memory():
+    """Global stores, reductions and atomics, and the TMA copies themselves, are not checked."""
+    from sm100_ptx import shared_stores
+
+    others = ("\tst.global.v4.b32 	[%rd9], {%r1, %r2, %r3, %r4};\n"
+              "\tred.global.add.u32 	[%rd9], %r1;\n"
+              "\tatom.global.add.u32 	%r71, [%rd9], %r1;\n")
+    assert shared_stores(_BUFFERS_PTX + others) == []
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])

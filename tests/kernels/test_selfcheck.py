@@ -158,51 +158,30 @@ def test_ensure_verified_needs_a_mode():
         selfcheck.ensure_verified("test.op", R.grouped_mm, "cpu", "x")
 
 
-@pytest.mark.parametrize("mode", ["m", "k"])
-def test_sm100_launches_are_guarded(K, monkeypatch, mode):
-    """The API checks a kernel class that asks for it (sm100) before its first launch of each
-    configuration, through the launcher itself: a wrong kernel is refused, a right one runs."""
+def _stand_in_launches(monkeypatch, kernel_cls):
+    """The sm100 API path through the real launcher with its compiled kernel replaced by
+    ``state["kernel"](a, b, offs, dtype)`` written into the launcher's output buffer (the
+    operands of the launch in progress: the check runs inside the user's launch). Returns
+    ``(state, calls)``: ``calls`` gets one config per kernel launch."""
     from moe_mxfp8.kernels.grouped_gemm import launcher
 
     from moe_mxfp8 import grouped_gemm
 
-    calls = []
+    calls, state, frames = [], {}, []  # frames: the launches in progress
 
-    def fake_compile(kernel_cls, config, options=None, stream=None):
-        def fn(*args):  # the "kernel": the stand-in into the launcher's output buffer
+    def fake_compile(kernel_cls, config, options=None, stream=None, arch=None):
+        def fn(*args):
             calls.append(config)
             frame = frames[-1]
-            frame["out"].copy_(run_state["kernel"](*frame["args"], frame["out"].dtype))
+            frame["out"].copy_(state["kernel"](*frame["args"], frame["out"].dtype))
 
         return fn
 
-    run_state, frames = {}, []  # frames: the launches in progress (the check runs inside one)
-    real_output = P.output
+    real_output, real_run = P.output, launcher.run
 
     def capture_output(prob, out=None):
         frames[-1]["out"] = real_output(prob, out)
         return frames[-1]["out"]
-
-    monkeypatch.setattr(launcher, "compile_config", fake_compile)
-    monkeypatch.setattr(launcher.P, "output", capture_output)
-    monkeypatch.setattr(launcher, "_grid_clusters", lambda *a: 1)
-    monkeypatch.setattr(launcher, "current_stream", lambda: None)
-    monkeypatch.setattr(grouped_gemm, "_host_class", lambda backend: K.GroupedGemmSm100)
-    prob = selfcheck.pipeline_problem(mode, 64, 96, torch.bfloat16, tile_m=128, stages=2)
-    a, b, offs = selfcheck.make_operands(mode, prob, "cpu", seed=7)
-
-    def described(a_, b_, offs_):
-        return (P.describe_m(a_, b_, offs_, torch.bfloat16) if mode == "m"
-                else P.describe_k(a_, b_, offs_, torch.bfloat16))
-
-    def wrong(a_, b_, offs_, dt):  # right shape, wrong values
-        return (R.grouped_mm(a_, b_, offs_, torch.float32) * 1.05).to(dt)
-
-    def right(a_, b_, offs_, dt):
-        return R.grouped_mm(a_, b_, offs_, dt)
-
-    # the stand-in computes from the operands the launch was given
-    real_run = launcher.run
 
     def run_spy(kernel_cls, prob_, a_, b_, offs_, **kw):
         frames.append({"args": (a_, b_, offs_)})
@@ -211,18 +190,86 @@ def test_sm100_launches_are_guarded(K, monkeypatch, mode):
         finally:
             frames.pop()
 
+    monkeypatch.setattr(launcher, "compile_config", fake_compile)
+    monkeypatch.setattr(launcher.P, "output", capture_output)
+    monkeypatch.setattr(launcher, "_grid_clusters", lambda *a: 1)
+    monkeypatch.setattr(launcher, "current_stream", lambda *device: None)
     monkeypatch.setattr(launcher, "run", run_spy)
-    run_state["kernel"] = wrong
+    monkeypatch.setattr(grouped_gemm, "_host_class", lambda backend: kernel_cls)
+    return state, calls
+
+
+def _described(mode, a, b, offs):
+    return (P.describe_m(a, b, offs, torch.bfloat16) if mode == "m"
+            else P.describe_k(a, b, offs, torch.bfloat16))
+
+
+def _right(a, b, offs, dt):
+    return R.grouped_mm(a, b, offs, dt)
+
+
+@pytest.mark.parametrize("mode", ["m", "k"])
+def test_sm100_launches_are_guarded(K, monkeypatch, mode):
+    """The API checks a kernel class that asks for it (sm100) before its first launch of each
+    configuration, through the launcher itself: a wrong kernel is refused, a right one runs."""
+    from moe_mxfp8 import grouped_gemm
+
+    state, calls = _stand_in_launches(monkeypatch, K.GroupedGemmSm100)
+    prob = selfcheck.pipeline_problem(mode, 64, 96, torch.bfloat16, tile_m=128, stages=2)
+    a, b, offs = selfcheck.make_operands(mode, prob, "cpu", seed=7)
+
+    def wrong(a_, b_, offs_, dt):  # right shape, wrong values
+        return (R.grouped_mm(a_, b_, offs_, torch.float32) * 1.05).to(dt)
+
+    state["kernel"] = wrong
     with pytest.raises(selfcheck.KernelSelfCheckError, match="backend='reference'"):
-        grouped_gemm.run_kernel("sm100", described(a, b, offs), a, b, offs)
+        grouped_gemm.run_kernel("sm100", _described(mode, a, b, offs), a, b, offs)
     assert len(calls) == 1  # ran in the check only; the real call was refused
 
     selfcheck.reset()
     calls.clear()
-    run_state["kernel"] = right
-    out = grouped_gemm.run_kernel("sm100", described(a, b, offs), a, b, offs)
+    state["kernel"] = _right
+    out = grouped_gemm.run_kernel("sm100", _described(mode, a, b, offs), a, b, offs)
     torch.testing.assert_close(out, R.grouped_mm(a, b, offs, torch.bfloat16))
     assert len(calls) == 2  # one check problem, then the call itself
+
+
+@pytest.mark.parametrize("mode", ["m", "k"])
+def test_verified_launch_does_no_selfcheck_work(monkeypatch, mode):
+    """Once its configuration passed, an sm100 launch runs nothing of the self-check: no
+    stage count, check problem, operands, verdict machinery or kernel class (CuTeDSL) -- the
+    first-use hook is one look-up. (It used to build the check problem before looking the
+    verdict up: 0.6-1.6 ms of host time on every launch.)"""
+    from moe_mxfp8.kernels.grouped_gemm.sm100_config import GroupedGemmSm100Host
+
+    from moe_mxfp8 import grouped_gemm
+
+    state, calls = _stand_in_launches(monkeypatch, GroupedGemmSm100Host)
+    state["kernel"] = _right
+    prob = selfcheck.pipeline_problem(mode, 64, 96, torch.bfloat16, tile_m=128, stages=2)
+    a, b, offs = selfcheck.make_operands(mode, prob, "cpu", seed=3)
+    grouped_gemm.run_kernel("sm100", _described(mode, a, b, offs), a, b, offs)  # checks
+    assert len(calls) == 2
+    work = []
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+
+        def spy(*args, **kw):
+            work.append(name)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(owner, name, spy)
+
+    for name in ("pipeline_problem", "ensure_verified", "run_selfcheck", "make_operands",
+                 "_device_name"):
+        counted(selfcheck, name)
+    for name in ("selfcheck_tiling", "kernel_class"):
+        counted(GroupedGemmSm100Host, name)
+    for _ in range(3):
+        out = grouped_gemm.run_kernel("sm100", _described(mode, a, b, offs), a, b, offs)
+    assert work == [] and len(calls) == 5
+    torch.testing.assert_close(out, R.grouped_mm(a, b, offs, torch.bfloat16))
 
 
 class _Never:
@@ -295,6 +342,58 @@ def test_selfcheck_passes_the_grid_cap():
     prob = dataclasses.replace(SMALL["m"][0], max_clusters=3)
     assert selfcheck.run_selfcheck(kernel, "m", "cpu", (prob,)) is None
     assert calls == [{"max_clusters": 3}]
+
+
+def _traced_smem(K, cfg) -> dict:
+    """Stage count, operand ring bytes and epilogue staging bytes of the layouts the kernel
+    builds (traced, as at compile time)."""
+    import cutlass.cute as cute
+
+    kern, got = K.GroupedGemmSm100(cfg), {}
+
+    @cute.jit
+    def probe():
+        kern._setup()
+        got["stages"] = kern.num_ab_stage
+        got["ring"] = (cute.cosize(kern.a_smem_layout.outer)
+                       + cute.cosize(kern.b_smem_layout.outer)
+                       + cute.cosize(kern.sfa_smem_layout) + cute.cosize(kern.sfb_smem_layout))
+        got["epi"] = cute.cosize(kern.c_smem_layout.outer) * cfg.out_dtype.itemsize
+
+    probe()
+    return got
+
+
+@pytest.mark.parametrize("mode,mma_m,dt", [
+    ("m", 128, torch.bfloat16), ("m", 128, torch.float32), ("m", 256, torch.bfloat16),
+    ("m", 256, torch.float32), ("k", 128, torch.bfloat16), ("k", 128, torch.float32)])
+def test_stage_count_is_the_kernels_ring(K, mode, mma_m, dt):
+    """The stage count the launch path computes without CuTeDSL (`ab_stages`: the first-use
+    check's problem depends on it) is the ring the kernel lays out: the traced layouts hold
+    that many stages of the arithmetic's bytes, the epilogue staging is the arithmetic's, and
+    the ring fills the shared memory (one more stage would not fit)."""
+    from moe_mxfp8.kernels.grouped_gemm import sm100_config as C
+
+    cfg = K.GroupedGemmSm100Config(mode, 4096, 7168, dt, mma_m, 128)
+    stages = cfg.ab_stages()
+    assert C.GroupedGemmSm100Host.selfcheck_tiling(cfg) == (mma_m, stages)
+    got = _traced_smem(K, cfg)
+    assert got["stages"] == stages and got["ring"] % stages == 0
+    per_stage = got["ring"] // stages
+    assert got["epi"] == cfg.epilogue_smem_bytes()
+    budget = C.SMEM_CAPACITY - C.SMEM_RESERVED - got["epi"]
+    assert stages * per_stage <= budget < (stages + 1) * per_stage
+
+
+def test_kernel_refuses_another_epilogue_size(K, monkeypatch):
+    """A CuTeDSL whose epilogue tile differs from the arithmetic's assumption fails the
+    compile instead of running a ring the first-use check does not wrap."""
+    from moe_mxfp8.kernels.grouped_gemm import sm100_config as C
+
+    monkeypatch.setattr(C, "EPI_TILE", (128, 64))
+    cfg = K.GroupedGemmSm100Config("m", 512, 512, torch.bfloat16, 128, 128)
+    with pytest.raises(ValueError, match="epilogue staging"):
+        _traced_smem(K, cfg)
 
 
 # Every compiled configuration kind: mode, CTA mode, output dtype; N/K small and dsv3-sized.
