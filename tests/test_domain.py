@@ -447,7 +447,7 @@ def test_kernel_launch_reads_offs_values_not_its_storage(monkeypatch, mode):
 
     read = []
 
-    def fake_compile(kernel_cls, config, options=None, stream=None):
+    def fake_compile(kernel_cls, config, options=None, stream=None, arch=None):
         def kernel(*args):
             offs_ptr, num_groups = args[5], args[7]
             read.append(list((ctypes.c_int32 * num_groups).from_address(offs_ptr.addr)))
@@ -456,7 +456,7 @@ def test_kernel_launch_reads_offs_values_not_its_storage(monkeypatch, mode):
 
     monkeypatch.setattr(launcher, "compile_config", fake_compile)
     monkeypatch.setattr(launcher, "_grid_clusters", lambda *a: 1)
-    monkeypatch.setattr(launcher, "current_stream", lambda: None)
+    monkeypatch.setattr(launcher, "current_stream", lambda *a: None)
     offs = _strided(_offs(IDX_SIZES))
     a, b = _gemm_operands(mode)
     prob = (GP.describe_m(a, b, offs, torch.bfloat16) if mode == "m"
