@@ -506,7 +506,7 @@ def run_peers(name: str, ops: list[str], modes: str, recipes: list[str], balance
 
 
 def sweep_op(op: str, name: str, sizes: list[int], bands: tuple[int, ...],
-             dev: str = "cuda") -> list[dict]:
+             stages: tuple[int, ...] = (0,), dev: str = "cuda") -> list[dict]:
     """Every configuration of `gemm_peers.sweep_tunings` forced in turn on one 1x128 GEMM
     (kernel only): checked against the bf16 GEMM of its dequantized operands, then timed; bf16
     ``torch._grouped_mm`` timed once in the same process."""
@@ -522,7 +522,7 @@ def sweep_op(op: str, name: str, sizes: list[int], bands: tuple[int, ...],
     b2 = _clone_mx(b)
     fn = _kernel_fn(op, "1x128")
     rows = []
-    for cfg in GP.sweep_tunings(op, s, bands):
+    for cfg in GP.sweep_tunings(op, s, bands, stages):
         got = {"bf16_us": bf16_us}
         try:
             out = fn(a, b, offs, torch.bfloat16, tuning=cfg["tuning"])
@@ -579,6 +579,7 @@ def main_peers(args) -> None:
         report["ceilings"] = measure()
     ops = (args.ops or PEER_OPS).split(",")
     bands = tuple(int(v) for v in args.sweep_bands.split(","))
+    stages = tuple(int(v) for v in args.sweep_stages.split(","))
     if args.peers:
         torchao_op, report["torchao"] = GP.torchao_fp8_rowwise()
         print("torchao:", report["torchao"], flush=True)
@@ -591,7 +592,8 @@ def main_peers(args) -> None:
         if args.sweep_configs:
             for op in ops:
                 try:
-                    report["sweep"] += sweep_op(op, name, peer_sizes(name, balanced), bands)
+                    report["sweep"] += sweep_op(op, name, peer_sizes(name, balanced), bands,
+                                                stages)
                 except Exception as err:  # noqa: BLE001  (report and go on)
                     print(f"sweep {name} {op} FAILED: {err!r}"[:300], flush=True)
                 write_report(report, args.json, args.md)
@@ -620,12 +622,15 @@ def main():
                        help="force every admissible 1x128 Hopper kernel configuration in turn")
     peers.add_argument("--sweep-bands", default=f"1,{GP.RASTER_BAND}",
                        help="raster bands the sweep tries")
+    peers.add_argument("--sweep-stages", default="0",
+                       help="pipeline stages the sweep tries (0: as many as fit)")
     peers.add_argument("--routing", choices=("balanced", "random"), default="balanced",
                        help="group sizes of --peers / --sweep-configs")
     peers.add_argument("--op-recipes", default="1x128",
                        help="scale_blocks recipes of moe_mxfp8.grouped_mm timed incl. quantization")
     peers.add_argument("--ceilings", action="store_true", help="measure the ceilings here")
-    peers.add_argument("--ceilings-json", default=None, help="ceilings measured earlier")
+    peers.add_argument("--ceilings-json", default=None,
+                       help="ceilings measured earlier (benchmarks.ceilings --json)")
     peers.add_argument("--md", default=None, help="write the markdown report here")
     peers.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                        help="one report (--json, --md) from saved --peers/--sweep JSONs (no GPU)")
@@ -636,7 +641,10 @@ def main():
                     help="draw --png from a --json file written earlier (no GPU), then exit")
     args = ap.parse_args()
     if args.merge:
-        print(write_report(merge(args.merge), args.json, args.md))
+        report = merge(args.merge)
+        if args.ceilings_json:
+            report["ceilings"] = json.loads(Path(args.ceilings_json).read_text())
+        print(write_report(report, args.json, args.md))
         return
     if args.peers or args.sweep_configs:
         REPS.update(reps=args.reps, rounds=args.rounds)

@@ -374,17 +374,26 @@ def sweep_tunings(op: str, s: GemmShape, bands: tuple[int, ...] = (1, RASTER_BAN
 
 
 SWEEP_HEADER = "| shape | GEMM | config | µs | TFLOP/s | × default | × bf16 | rel err |"
+# a configuration's output vs the bf16 GEMM of its dequantized operands: bf16 rounding is
+# ~2e-3 relative; a wrong tile walk or scale gives O(1)
+SWEEP_REL_TOL = 1e-2
+
+
+def sweep_ok(row: dict) -> bool:
+    """Timed and correct (rel err within `SWEEP_REL_TOL`; False for nan)."""
+    return bool(row.get("us")) and row.get("rel_err", float("nan")) <= SWEEP_REL_TOL
 
 
 def sweep_table(rows: list[dict]) -> list[str]:
     """Markdown lines of sweep rows (``shape, gemm, name, default, us, bf16_us, rel_err``):
-    × default against the heuristic's choice of the same GEMM; the fastest per GEMM in bold."""
+    × default against the heuristic's choice of the same GEMM; the fastest correct one per
+    GEMM in bold, wrong results marked."""
     out = [SWEEP_HEADER, "|---|---|---|---|---|---|---|---|"]
     groups = list(dict.fromkeys((r["shape"], r["gemm"]) for r in rows))
     for shape, gemm in groups:
         mine = [r for r in rows if (r["shape"], r["gemm"]) == (shape, gemm)]
         dflt = next((r["us"] for r in mine if r["default"] and r.get("us")), None)
-        timed = [r["us"] for r in mine if r.get("us")]
+        timed = [r["us"] for r in mine if sweep_ok(r)]
         best = min(timed) if timed else None
         for r in mine:
             name = r["name"] + (" (default)" if r["default"] else "")
@@ -397,7 +406,7 @@ def sweep_table(rows: list[dict]) -> list[str]:
                 f"| {shape} | {gemm} | {name} | {us} | {r['flops'] / r['us'] / 1e6:.0f} | "
                 f"{_ratio(dflt / r['us'] if dflt else None)} | "
                 f"{_ratio(r['bf16_us'] / r['us'] if r.get('bf16_us') else None)} | "
-                f"{_num(r.get('rel_err'), '{:.1e}')} |")
+                f"{_num(r.get('rel_err'), '{:.1e}')}{'' if sweep_ok(r) else ' WRONG'} |")
     return out
 
 

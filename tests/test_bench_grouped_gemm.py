@@ -181,13 +181,16 @@ def test_sweep_table_marks_default_and_best():
     cfg = {"name": "128x256 band 16 cluster 2", "tuning": {}, "default": True}
     other = {"name": "128x128 seq band 1 cluster 1", "tuning": {}, "default": False}
     bad = {"name": "128x128 overlap band 1 cluster 1", "tuning": {}, "default": False}
+    wrong = {"name": "128x256 band 1 cluster 1", "tuning": {}, "default": False}
     rows = [GP.sweep_row("qwen3", "wgrad16", SMALL, cfg, us=20.0, bf16_us=15.0, rel_err=1e-3),
             GP.sweep_row("qwen3", "wgrad16", SMALL, other, us=10.0, bf16_us=15.0, rel_err=1e-3),
-            GP.sweep_row("qwen3", "wgrad16", SMALL, bad, bf16_us=15.0, error="boom")]
+            GP.sweep_row("qwen3", "wgrad16", SMALL, bad, bf16_us=15.0, error="boom"),
+            GP.sweep_row("qwen3", "wgrad16", SMALL, wrong, us=5.0, bf16_us=15.0, rel_err=0.7)]
     lines = GP.sweep_table(rows)
     assert "(default)" in lines[2] and "| 20 |" in lines[2]
-    assert "**10**" in lines[3] and "| 2.00 | 1.50 |" in lines[3]
+    assert "**10**" in lines[3] and "| 2.00 | 1.50 |" in lines[3]  # fastest correct one
     assert "failed: boom" in lines[4]
+    assert "WRONG" in lines[5] and "**" not in lines[5] and "WRONG" not in lines[3]
     assert len({ln.count("|") for ln in lines}) == 1
 
 
@@ -372,3 +375,15 @@ def test_peer_defaults_leave_legacy_options():
     assert B.DEFAULT_MODES == "1x32,32x32,1x128,1x128o"
     assert B.PEER_OPS == "fprop,dgrad,wgrad16" and B.PEER_MODES == "1x128"
     assert "fast_accum" in inspect.signature(B.bench_op).parameters
+
+
+@pytest.mark.filterwarnings("ignore:moe_mxfp8. tensors on cpu")
+def test_op_impls_mxfp8_on_the_reference_backend():
+    """`op_impls`' moe_mxfp8 entry is the public op with its recipe (here on the CPU reference
+    backend): forward and both gradients at MXFP8's SQNR against bf16, none exact."""
+    s = GP.GemmShape(e=2, t=256, k=128, n=128)
+    impls = GP.op_impls(["1x128"], None)
+    assert set(impls) == {"bf16", "mx_1x128"}
+    rows = list(GP.bench_passes("tiny", s, [128, 128], impls, _fake_timer, dev="cpu"))
+    mx = [r for r in rows if r["impl"] == "mx_1x128"]
+    assert len(mx) == 2 and all(25 < r["sqnr"] < 40 for r in mx), mx

@@ -55,9 +55,11 @@ for sh in ${SHAPES-dsv3 qwen3 mixtral mixtral_down}; do
 done
 
 echo "== report (t=$(( SECONDS - T0 ))s)"
-ls "$OUT"/peers_*.json "$OUT"/sweep_*.json >/dev/null 2>&1 && \
-  timeout 60 python -m benchmarks.bench_grouped_gemm --merge "$OUT"/peers_*.json \
-    $(ls "$OUT"/sweep_*.json 2>/dev/null) --json "$OUT/peers.json" --md "$OUT/peers.md" \
-    > /dev/null 2> "$OUT/log_report.txt"
+parts=()  # in the order the shapes ran
+for sh in ${SHAPES-dsv3 qwen3 mixtral mixtral_down}; do
+  for f in "$OUT/peers_$sh.json" "$OUT/sweep_$sh.json"; do [ -f "$f" ] && parts+=("$f"); done
+done
+[ ${#parts[@]} -gt 0 ] && timeout 60 python -m benchmarks.bench_grouped_gemm --merge "${parts[@]}" \
+  $CEIL --json "$OUT/peers.json" --md "$OUT/peers.md" > /dev/null 2> "$OUT/log_report.txt"
 cat "$OUT/peers.md" 2>/dev/null || { echo "no report"; tail -20 "$OUT"/log_*.txt; }
 echo "== done in $(( SECONDS - T0 ))s"
