@@ -4,6 +4,13 @@ torch._scaled_grouped_mm fp8 rowwise, for the MoE gate+up GEMM (N = 2f) of three
     python -m benchmarks.bench_grouped_gemm [--json out.json] [--shapes dsv3,qwen3,mixtral]
     python -m benchmarks.bench_grouped_gemm --check-baselines   # seconds: every baseline call
                                                                  # at E=4, 256 rows/group, vs fp32
+    python -m benchmarks.bench_grouped_gemm --peers [--shapes dsv3,...] [--ceilings] --json x.json
+        --md x.md   # vs bf16 and torchao's FP8-rowwise op: incl. quantization and kernel only
+    python -m benchmarks.bench_grouped_gemm --sweep-configs --shapes qwen3   # every 1x128 config
+    python -m benchmarks.bench_grouped_gemm --merge a.json b.json --md all.md   # one report, no GPU
+
+(--peers, --sweep-configs and the counting, tables and torchao call behind them:
+`benchmarks.gemm_peers`; the device run: tools/gpu_bench_gemm_peers.sh.)
 
 GEMMs per shape (E experts, T routed rows, hidden d, expert width f):
   fprop  Y  (T, 2f) = X (T, d) . W_g^T,  W (E, 2f, d)

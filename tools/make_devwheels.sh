@@ -12,6 +12,6 @@ tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp/dl" "torchao==$VERSION"
 python3 -m pip install -q --no-deps --no-compile --target "$tmp/site" "$tmp"/dl/torchao-*.whl
 find "$tmp/site" -name "_C*.so" -delete
-rm -rf "$tmp/site/bin"
+rm -rf "$tmp/site/bin" "$tmp/site/test"  # its own tests would shadow the stdlib `test` package
 mkdir -p .devwheels && tar -cf - -C "$tmp/site" . | xz -T0 -9e > ".devwheels/torchao-$VERSION.tar.xz"
 ls -la ".devwheels/torchao-$VERSION.tar.xz"
