@@ -387,3 +387,21 @@ def test_op_impls_mxfp8_on_the_reference_backend():
     rows = list(GP.bench_passes("tiny", s, [128, 128], impls, _fake_timer, dev="cpu"))
     mx = [r for r in rows if r["impl"] == "mx_1x128"]
     assert len(mx) == 2 and all(25 < r["sqnr"] < 40 for r in mx), mx
+
+
+@pytest.mark.gpu
+def test_peers_time_and_match_bf16_on_gpu():
+    """On the device: every op-level peer (torchao where importable) runs under CUDA-graph
+    replays and agrees with bf16 to MXFP8 / FP8 precision, at a small shape."""
+    from benchmarks.timing import bench_us
+
+    s = GP.GemmShape(e=4, t=1024, k=256, n=512)
+    torchao_op, _ = GP.torchao_fp8_rowwise()
+    impls = GP.op_impls(["1x128"], torchao_op)
+    timer = functools.partial(bench_us, warmup=2, reps=2, rounds=1)
+    rows = list(GP.bench_passes("small", s, [256] * 4, impls, timer))
+    assert len(rows) == 2 * len(impls)
+    for r in rows:
+        assert r["us"] and r["graphed"], r
+        if r["impl"] != "bf16":
+            assert 20 < r["sqnr"] < 45, r

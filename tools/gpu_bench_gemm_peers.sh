@@ -46,12 +46,17 @@ step() {
 step ceilings 60 python -m benchmarks.ceilings --json "$OUT/ceilings.json"
 CEIL=""; [ -f "$OUT/ceilings.json" ] && CEIL="--ceilings-json $OUT/ceilings.json"
 # the headline shape first, then the small experts and their sweep, then mixtral
+# (a sweep runs right after its shape's peers step; limits: the first process also compiles
+# torchao's autotuned Triton kernels, ~36 configurations)
+lim=170
 for sh in ${SHAPES-dsv3 qwen3 mixtral mixtral_down}; do
-  step "peers_$sh" 150 $BENCH --peers --shapes "$sh" $CEIL --json "$OUT/peers_$sh.json"
+  step "peers_$sh" $lim $BENCH --peers --shapes "$sh" $CEIL --json "$OUT/peers_$sh.json"
   for sw in ${SWEEP_SHAPES-qwen3}; do
-    [ "$sw" = "$sh" ] && step "sweep_$sw" 170 $BENCH --sweep-configs --shapes "$sw" \
-      --json "$OUT/sweep_$sw.json"
+    if [ "$sw" = "$sh" ]; then
+      step "sweep_$sw" 150 $BENCH --sweep-configs --shapes "$sw" --json "$OUT/sweep_$sw.json"
+    fi
   done
+  lim=120
 done
 
 echo "== report (t=$(( SECONDS - T0 ))s)"
@@ -59,7 +64,7 @@ parts=()  # in the order the shapes ran
 for sh in ${SHAPES-dsv3 qwen3 mixtral mixtral_down}; do
   for f in "$OUT/peers_$sh.json" "$OUT/sweep_$sh.json"; do [ -f "$f" ] && parts+=("$f"); done
 done
-[ ${#parts[@]} -gt 0 ] && timeout 60 python -m benchmarks.bench_grouped_gemm --merge "${parts[@]}" \
+[ ${#parts[@]} -gt 0 ] && timeout 30 python -m benchmarks.bench_grouped_gemm --merge "${parts[@]}" \
   $CEIL --json "$OUT/peers.json" --md "$OUT/peers.md" > /dev/null 2> "$OUT/log_report.txt"
 cat "$OUT/peers.md" 2>/dev/null || { echo "no report"; tail -20 "$OUT"/log_*.txt; }
 echo "== done in $(( SECONDS - T0 ))s"
