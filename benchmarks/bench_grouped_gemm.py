@@ -4,6 +4,13 @@ torch._scaled_grouped_mm fp8 rowwise, for the MoE gate+up GEMM (N = 2f) of three
     python -m benchmarks.bench_grouped_gemm [--json out.json] [--shapes dsv3,qwen3,mixtral]
     python -m benchmarks.bench_grouped_gemm --check-baselines   # seconds: every baseline call
                                                                  # at E=4, 256 rows/group, vs fp32
+    python -m benchmarks.bench_grouped_gemm --peers [--shapes dsv3,...] [--ceilings] --json x.json
+        --md x.md   # vs bf16 and torchao's FP8-rowwise op: incl. quantization and kernel only
+    python -m benchmarks.bench_grouped_gemm --sweep-configs --shapes qwen3   # every 1x128 config
+    python -m benchmarks.bench_grouped_gemm --merge a.json b.json --md all.md   # one report, no GPU
+
+(--peers, --sweep-configs and the counting, tables and torchao call behind them:
+`benchmarks.gemm_peers`; the device run: tools/gpu_bench_gemm_peers.sh.)
 
 GEMMs per shape (E experts, T routed rows, hidden d, expert width f):
   fprop  Y  (T, 2f) = X (T, d) . W_g^T,  W (E, 2f, d)
@@ -20,18 +27,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from benchmarks import gemm_peers as GP
 from benchmarks.timing import Rotating, bench_us, device_info
 from moe_mxfp8 import reference as R
 
-SHAPES = {  # name: (E, T, d, f)
-    "dsv3": (8, 131072, 7168, 2048),
-    "qwen3": (128, 131072, 2048, 768),
-    "mixtral": (8, 32768, 4096, 14336),
-}
+# name: (E, T, d, f), the gate+up view of `gemm_peers.GEMM_SHAPES` (K = d, N = 2f; mixtral_down:
+# K = 14336, N = 4096)
+SHAPES = {name: (s.e, s.t, s.k, s.n // 2) for name, s in GP.GEMM_SHAPES.items()}
 # wgrad16: wgrad with group sizes that are multiples of 16 tokens (every group start is 16-byte
 # aligned, so the kernel's TMA path runs; other starts take its slow copy path)
 OPS = ("fprop", "dgrad", "wgrad", "wgrad16")
@@ -45,9 +52,12 @@ def _sm90(mode: str):
 
     return functools.partial(launcher.grouped_mm, GroupedGemmSm90, mode)
 
-def group_sizes(e: int, t: int, seed: int = 0, align: int = 1) -> list[int]:
+def group_sizes(e: int, t: int, seed: int = 0, align: int = 1,
+                balanced: bool = False) -> list[int]:
+    """``e`` group sizes summing to ``t``, multiples of ``align`` but the last: random around
+    t/e (+-25%), or all equal (``balanced``)."""
     g = torch.Generator().manual_seed(seed)
-    w = 0.75 + 0.5 * torch.rand(e, generator=g)
+    w = torch.ones(e) if balanced else 0.75 + 0.5 * torch.rand(e, generator=g)
     sizes = (w / w.sum() * t / align).floor().to(torch.int64) * align
     sizes[-1] += t - int(sizes.sum())
     return sizes.tolist()
@@ -138,18 +148,51 @@ def _operands(op, recipe, x, dy, w, offs):
             R.quantize_colwise_ref(x, offs=offs, scale_blocks=recipe))
 
 
+def _gemm_inputs(op: str, e: int, t: int, d: int, n: int, dev: str):
+    """bf16 inputs of one GEMM, (x, dy, w, (a, b) of torch._grouped_mm): x (t, d) unless dgrad,
+    dy (t, n) unless fprop, w (E, n, d)."""
+    torch.manual_seed(1)
+    w = torch.randn(e, n, d, device=dev, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(t, d, device=dev, dtype=torch.bfloat16) if op != "dgrad" else None
+    dy = torch.randn(t, n, device=dev, dtype=torch.bfloat16) if op != "fprop" else None
+    bf16 = {"fprop": (x, w.transpose(-2, -1)), "dgrad": (dy, w)}.get(op) or (dy.t(), x)
+    return x, dy, w, bf16
+
+
+def _kernel_fn(op: str, recipe: str):
+    """The Hopper kernel of ``op`` as ``fn(a, b, offs, out_dtype, tuning=...)``."""
+    if op in ("fprop", "dgrad"):
+        return _sm90("m")
+    # wgrad16: 16-aligned groups as MXFP8MoE gives them (no re-layout gather); the "wgrad"
+    # row has unaligned groups and includes the gather
+    return functools.partial(_sm90("k"), aligned_groups=op == "wgrad16", scale_blocks=recipe)
+
+
+def _dequant_ref(a, b, offs):
+    """bf16 grouped GEMM of the dequantized operands (what the kernel must match)."""
+    da, db = a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)
+    return torch._grouped_mm(da, db.transpose(-2, -1) if db.dim() == 3 else db.t(), offs=offs)
+
+
+def _clone_mx(b):
+    """A second copy of an MXFP8 operand (rotating inputs: cold L2)."""
+    return type(b)(b.data.clone(), b.scale.clone(), b.scale_layout, b.offs, b.group_axis,
+                   b.block_rows)
+
+
 def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda",
-             modes: str = DEFAULT_MODES) -> dict:
+             modes: str = DEFAULT_MODES, sizes: list[int] | None = None,
+             fast_accum: bool = False) -> dict:
+    """One GEMM on pre-quantized operands: every MXFP8 mode of ``modes``, bf16 and fp8
+    rowwise. ``sizes``: the groups (default: random, 16-aligned for wgrad16); ``fast_accum``:
+    fp8 rowwise once more with ``use_fast_accum=True``, the call torchao's op makes."""
     n2 = 2 * f
-    sizes = group_sizes(e, t, align=16 if op == "wgrad16" else 1)
+    if sizes is None:
+        sizes = group_sizes(e, t, align=16 if op == "wgrad16" else 1)
     offs = _offs(sizes, dev)
     flops = 2.0 * t * n2 * d
     res = {"op": op, "E": e, "T": t, "d": d, "f": f, "flops": flops}
-    torch.manual_seed(1)
-    w = torch.randn(e, n2, d, device=dev, dtype=torch.bfloat16) * 0.02
-    x = torch.randn(t, d, device=dev, dtype=torch.bfloat16) if op != "dgrad" else None
-    dy = torch.randn(t, n2, device=dev, dtype=torch.bfloat16) if op != "fprop" else None
-    bf16 = {"fprop": (x, w.transpose(-2, -1)), "dgrad": (dy, w)}.get(op) or (dy.t(), x)
+    x, dy, w, bf16 = _gemm_inputs(op, e, t, d, n2, dev)
     recipes = sorted({MODES[m][0] for m in modes.split(",")})
     if op == "wgrad":
         recipes = ["1x32"]  # unaligned groups: the 1x32 kernel incl. its re-layout gather
@@ -160,28 +203,18 @@ def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda",
             a, b = _synthetic_k(dy.t().contiguous(), offs), _synthetic_k(x.t().contiguous(), offs)
         else:
             a, b = _operands(op, recipe, x, dy, w, offs)
-        if op in ("fprop", "dgrad"):
-            fn = _sm90("m")
-        else:
-            # wgrad16: 16-aligned groups as MXFP8MoE gives them (no re-layout gather); the
-            # "wgrad" row has unaligned groups and includes the gather
-            fn = functools.partial(_sm90("k"), aligned_groups=op == "wgrad16",
-                                   scale_blocks=recipe)
+        fn = _kernel_fn(op, recipe)
         real = [m for m in modes.split(",") if MODES[m][0] == recipe
                 and "diag" not in (MODES[m][1] or {})]
         if op != "wgrad" and real:
             # at scale: vs a bf16 grouped GEMM of the dequantized operands, and SQNR vs the
             # bf16 GEMM of the unquantized inputs
             out = fn(a, b, offs, torch.bfloat16)
-            da = a.dequantize(torch.bfloat16)
-            db = b.dequantize(torch.bfloat16)
-            ref = torch._grouped_mm(da, db.transpose(-2, -1) if db.dim() == 3 else db.t(),
-                                    offs=offs)
+            ref = _dequant_ref(a, b, offs)
             res[f"rel_err_{recipe}"] = _rel(out, ref)
             res[f"sqnr_{recipe}"] = _sqnr(out, bf16_out)
-            del out, da, db, ref
-        b2 = type(b)(b.data.clone(), b.scale.clone(), b.scale_layout, b.offs, b.group_axis,
-                     b.block_rows)
+            del out, ref
+        b2 = _clone_mx(b)
         rot = Rotating([(a, b), (a, b2)])
         for mode in modes.split(","):
             r, tuning = MODES[mode]
@@ -215,6 +248,9 @@ def bench_op(op: str, e: int, t: int, d: int, f: int, dev="cuda",
         del out, ref
         rot = Rotating([fp8, _clone_fp8(fp8)])
         res["fp8_rowwise_us"] = bench_us(lambda: _fp8_mm(rot.next(), offs), **REPS)
+        if fast_accum:
+            res["fp8_rowwise_fast_us"] = bench_us(lambda: _fp8_mm(rot.next(), offs, fast=True),
+                                                  **REPS)
     except Exception as err:  # noqa: BLE001
         res["fp8_err"] = repr(err)[:200]
     torch.cuda.empty_cache()
@@ -270,8 +306,9 @@ def _scaled_args(op, bf16, sizes: list[int]):
     return qa, qbt.t(), sa, sb
 
 
-def _fp8_mm(fp8, offs):
-    return torch._scaled_grouped_mm(*fp8, offs=offs, out_dtype=torch.bfloat16)
+def _fp8_mm(fp8, offs, fast: bool = False):
+    return torch._scaled_grouped_mm(*fp8, offs=offs, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
 
 
 def _clone_fp8(fp8):
@@ -440,6 +477,136 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     fig.savefig(path, dpi=110)
 
 
+PEER_OPS = "fprop,dgrad,wgrad16"
+PEER_MODES = "1x128"
+LEGACY_SHAPES = "dsv3,qwen3,mixtral"
+
+
+def peer_sizes(name: str, balanced: bool) -> list[int]:
+    """The groups of the peer runs: 16-token multiples (torchao's op and the fp8 wgrad need
+    them; `MXFP8MoE` pads to them), balanced or random around T/E."""
+    s = GP.GEMM_SHAPES[name]
+    return group_sizes(s.e, s.t, align=FP8_GROUP_ALIGN, balanced=balanced)
+
+
+def run_peers(name: str, ops: list[str], modes: str, recipes: list[str], balanced: bool,
+              torchao_op) -> Iterator[dict]:
+    """Rows of one shape as they are measured: incl. quantization first
+    (`gemm_peers.bench_passes`), then kernel only per op (`bench_op`; fp8 rowwise also with
+    torchao's fast accumulation)."""
+    s, sizes = GP.GEMM_SHAPES[name], peer_sizes(name, balanced)
+    try:
+        yield from GP.bench_passes(name, s, sizes, GP.op_impls(recipes, torchao_op),
+                                   functools.partial(bench_us, **REPS))
+    except Exception as err:  # noqa: BLE001  (report and go on with the kernel rows)
+        print(f"{name} incl. quantization FAILED: {err!r}"[:300], flush=True)
+    torch.cuda.empty_cache()
+    recipe_of = {m: MODES[m][0] for m in MODES}
+    for op in ops:
+        try:
+            res = bench_op(op, *SHAPES[name], modes=modes, sizes=sizes, fast_accum=True)
+        except Exception as err:  # noqa: BLE001  (report and go on with the next op)
+            print(f"{name} {op} FAILED: {err!r}"[:300], flush=True)
+            continue
+        print(json.dumps(res), flush=True)
+        yield from GP.kernel_rows(res, name, s, recipe_of)
+
+
+def sweep_op(op: str, name: str, sizes: list[int], bands: tuple[int, ...],
+             stages: tuple[int, ...] = (0,), dev: str = "cuda") -> list[dict]:
+    """Every configuration of `gemm_peers.sweep_tunings` forced in turn on one 1x128 GEMM
+    (kernel only): checked against the bf16 GEMM of its dequantized operands, then timed; bf16
+    ``torch._grouped_mm`` timed once in the same process."""
+    s = GP.GEMM_SHAPES[name]
+    e, t, d, f = SHAPES[name]
+    offs = _offs(sizes, dev)
+    x, dy, w, bf16 = _gemm_inputs(op, e, t, d, 2 * f, dev)
+    rot = Rotating([bf16, (bf16[0].clone(), bf16[1].clone())])
+    bf16_us = bench_us(lambda: torch._grouped_mm(*rot.next(), offs=offs), **REPS)
+    a, b = _operands(op, "1x128", x, dy, w, offs)
+    del x, dy, w, bf16, rot
+    ref = _dequant_ref(a, b, offs)
+    b2 = _clone_mx(b)
+    fn = _kernel_fn(op, "1x128")
+    rows = []
+    for cfg in GP.sweep_tunings(op, s, bands, stages):
+        got = {"bf16_us": bf16_us}
+        try:
+            out = fn(a, b, offs, torch.bfloat16, tuning=cfg["tuning"])
+            got["rel_err"] = _rel(out, ref)
+            del out
+            rot = Rotating([(a, b), (a, b2)])
+            got["us"] = bench_us(lambda rot=rot, tuning=cfg["tuning"]: fn(
+                *rot.next(), offs, torch.bfloat16, tuning=tuning), **REPS)
+        except Exception as err:  # noqa: BLE001  (report and go on with the sweep)
+            got["error"] = repr(err)[:300]
+        rows.append(GP.sweep_row(name, op, s, cfg, **got))
+        print(json.dumps(rows[-1]), flush=True)
+    del a, b, b2, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+def merge(paths: list[str]) -> dict:
+    """One report from several saved ``--peers`` / ``--sweep-configs`` JSON files (device,
+    ceilings, routing from the first that has them; rows and sweep rows concatenated)."""
+    out = {"rows": [], "sweep": []}
+    for p in paths:
+        saved = json.loads(Path(p).read_text())
+        for key in ("device", "ceilings", "routing", "torchao"):
+            if saved.get(key) and not out.get(key):
+                out[key] = saved[key]
+        out["rows"] += saved.get("rows", [])
+        out["sweep"] += saved.get("sweep", [])
+    return out
+
+
+def write_report(report: dict, json_path: str | None, md_path: str | None) -> str:
+    text = GP.markdown(report["rows"], report.get("ceilings"), report.get("device"),
+                       report.get("routing", ""), report.get("sweep"))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    if md_path:
+        Path(md_path).write_text(text + "\n")
+    return text
+
+
+def main_peers(args) -> None:
+    """``--peers`` / ``--sweep-configs``: one report (JSON, markdown) of this process, written
+    again after each row or swept GEMM (a run cut short keeps what it measured)."""
+    names = (args.shapes or ",".join(GP.GEMM_SHAPES)).split(",")
+    balanced = args.routing == "balanced"
+    report = {"device": device_info(), "rows": [], "sweep": [],
+              "routing": f"{args.routing}, multiples of {FP8_GROUP_ALIGN} tokens"}
+    if args.ceilings_json:
+        report["ceilings"] = json.loads(Path(args.ceilings_json).read_text())
+    elif args.ceilings:
+        from benchmarks.ceilings import measure
+
+        report["ceilings"] = measure()
+    ops = (args.ops or PEER_OPS).split(",")
+    bands = tuple(int(v) for v in args.sweep_bands.split(","))
+    stages = tuple(int(v) for v in args.sweep_stages.split(","))
+    if args.peers:
+        torchao_op, report["torchao"] = GP.torchao_fp8_rowwise()
+        print("torchao:", report["torchao"], flush=True)
+    for name in names:
+        if args.peers:
+            for row in run_peers(name, ops, args.modes or PEER_MODES,
+                                 args.op_recipes.split(","), balanced, torchao_op):
+                report["rows"].append(row)
+                write_report(report, args.json, args.md)
+        if args.sweep_configs:
+            for op in ops:
+                try:
+                    report["sweep"] += sweep_op(op, name, peer_sizes(name, balanced), bands,
+                                                stages)
+                except Exception as err:  # noqa: BLE001  (report and go on)
+                    print(f"sweep {name} {op} FAILED: {err!r}"[:300], flush=True)
+                write_report(report, args.json, args.md)
+    print(write_report(report, args.json, args.md), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--synthetic-k", action="store_true",
@@ -449,15 +616,50 @@ def main():
     ap.add_argument("--debug-k", default=None, help="comma-separated group sizes")
     ap.add_argument("--profile", default=None, help="op:shape:block_rows:rows")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"of {','.join(MODES)}")
+    ap.add_argument("--shapes", default=None,
+                    help=f"of {','.join(SHAPES)} (default {LEGACY_SHAPES}; --peers: all)")
+    ap.add_argument("--ops", default=None,
+                    help=f"of {','.join(OPS)} (default all; --peers: {PEER_OPS})")
+    ap.add_argument("--modes", default=None,
+                    help=f"of {','.join(MODES)} (default {DEFAULT_MODES}; --peers: {PEER_MODES})")
+    peers = ap.add_argument_group("peers: bf16, torchao fp8 rowwise and moe_mxfp8 in one run")
+    peers.add_argument("--peers", action="store_true",
+                       help="kernel-only and incl.-quantization rows (16-aligned groups)")
+    peers.add_argument("--sweep-configs", action="store_true",
+                       help="force every admissible 1x128 Hopper kernel configuration in turn")
+    peers.add_argument("--sweep-bands", default=f"1,{GP.RASTER_BAND}",
+                       help="raster bands the sweep tries")
+    peers.add_argument("--sweep-stages", default="0",
+                       help="pipeline stages the sweep tries (0: as many as fit)")
+    peers.add_argument("--routing", choices=("balanced", "random"), default="balanced",
+                       help="group sizes of --peers / --sweep-configs")
+    peers.add_argument("--op-recipes", default="1x128",
+                       help="scale_blocks recipes of moe_mxfp8.grouped_mm timed incl. quantization")
+    peers.add_argument("--ceilings", action="store_true", help="measure the ceilings here")
+    peers.add_argument("--ceilings-json", default=None,
+                       help="ceilings measured earlier (benchmarks.ceilings --json)")
+    peers.add_argument("--md", default=None, help="write the markdown report here")
+    peers.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                       help="one report (--json, --md) from saved --peers/--sweep JSONs (no GPU)")
     ap.add_argument("--reps", type=int, default=30, help="calls per timed CUDA-graph replay")
     ap.add_argument("--rounds", type=int, default=5, help="timed replays (median)")
     ap.add_argument("--png", default=None, help="bar chart of the speed-ups")
     ap.add_argument("--replot", default=None, metavar="JSON",
                     help="draw --png from a --json file written earlier (no GPU), then exit")
     args = ap.parse_args()
+    if args.merge:
+        report = merge(args.merge)
+        if args.ceilings_json:
+            report["ceilings"] = json.loads(Path(args.ceilings_json).read_text())
+        print(write_report(report, args.json, args.md))
+        return
+    if args.peers or args.sweep_configs:
+        REPS.update(reps=args.reps, rounds=args.rounds)
+        main_peers(args)
+        return
+    args.shapes = args.shapes or LEGACY_SHAPES
+    args.ops = args.ops or ",".join(OPS)
+    args.modes = args.modes or DEFAULT_MODES
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         dev = saved.get("device", {})

@@ -64,7 +64,7 @@ def tensor_sha256(t: torch.Tensor) -> str:
     """SHA-256 (hex) of a tensor's bytes as safetensors stores them (contiguous, little-endian,
     on the CPU)."""
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(memoryview(data.numpy())).hexdigest()
+    return hashlib.sha256(data.numpy().data).hexdigest()
 
 
 def save_file(model: nn.Module, path: PathLike, *, metadata: dict[str, str] | None = None) -> None:
