@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_mxfp8 import MXFP8MoE
+from moe_mxfp8 import dcp as DCP
 from moe_mxfp8 import expert_parallel as EP
 from moe_mxfp8 import fsdp as FS
 
@@ -139,12 +140,48 @@ def check_fsdp_ep(rank: int, ws: int, seed: int, device: str) -> None:
                            ep_dp_mesh=mesh["dp_mod_ep"], world_size=ws + 2)
 
 
+def check_dcp(rank: int, ws: int, seed: int, device: str, path: str) -> None:
+    """DCP save of the FSDP x EP layer (dp_mod_ep 2 x ep 2); load into EP 4 without FSDP, into
+    the FSDP x EP layer and into a whole layer on every rank; a differing top_k is refused (the
+    load into one process outside any group runs in the test itself)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ref, *_ = _batch(seed, ws, device)
+    full = ref.state_dict()
+    mesh = init_device_mesh(device, (ws // 2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    src = _layer(device, ep_group=mesh["ep"].get_group())
+    src.load_state_dict(full)
+    FS.fully_shard_moe(src, ep_dp_mesh=mesh["dp_mod_ep"], world_size=ws)
+    DCP.save(src, path)
+
+    ep4 = _layer(device, ep_group=dist.group.WORLD)  # another EP size, no FSDP
+    for p in ep4.parameters():
+        p.data.zero_()
+    DCP.load(ep4, path)
+    want = EP.shard_expert_state_dict(full, rank, ws)
+    assert all(torch.equal(v, want[k]) for k, v in ep4.state_dict().items())
+    whole = _layer(device)
+    for p in whole.parameters():
+        p.data.zero_()
+    DCP.load(whole, path)
+    assert all(torch.equal(v, full[k]) for k, v in whole.state_dict().items())
+    for p in src.parameters():  # back into the sharded layer itself
+        p.data.zero_()
+    DCP.load(src, path)
+    assert all(torch.equal(_full(v), full[k]) for k, v in DCP.state_dict(src).items()
+               if k != DCP.CONFIG_KEY)
+    other = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K + 1, num_shared_experts=1, device=device)
+    with pytest.raises(ValueError, match="top_k=2 but the model has top_k=3"):
+        DCP.load(other, path)
+
+
 # CPU: FSDP alone at world 2, FSDP x EP at 4 (CI time); NCCL: every check the GPUs allow
-CHECKS = {("gloo", 2): [check_fsdp_alone], ("gloo", 4): [check_fsdp_ep],
-          ("nccl", 2): [check_fsdp_alone, check_fsdp_ep], ("nccl", 4): [check_fsdp_ep]}
+CHECKS = {("gloo", 2): [check_fsdp_alone], ("gloo", 4): [check_fsdp_ep, check_dcp],
+          ("nccl", 2): [check_fsdp_alone, check_fsdp_ep], ("nccl", 4): [check_fsdp_ep, check_dcp]}
 
 
-def _worker(rank: int, ws: int, port: int, seed: int, pg_backend: str = "gloo") -> None:
+def _worker(rank: int, ws: int, port: int, seed: int, path: str, pg_backend: str = "gloo"
+            ) -> None:
     torch.set_num_threads(1)
     extra = {}
     if pg_backend == "nccl":
@@ -154,7 +191,8 @@ def _worker(rank: int, ws: int, port: int, seed: int, pg_backend: str = "gloo") 
                             world_size=ws, timeout=timedelta(seconds=120), **extra)
     try:
         for check in CHECKS[pg_backend, ws]:
-            check(rank, ws, seed, DEVICE[pg_backend])
+            args = (path,) if check is check_dcp else ()
+            check(rank, ws, seed, DEVICE[pg_backend], *args)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
@@ -173,19 +211,26 @@ def _free_port() -> int:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("ws", [2, 4])
-def test_fsdp_matches_single_process(gen, ws):
+def test_fsdp_matches_single_process(gen, ws, tmp_path):
     seed = int(torch.randint(2**31, (1,), generator=gen))
     print("seed", seed)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(ws, _free_port(), seed), nprocs=ws, join=True)
+    path = str(tmp_path / "dcp")
+    mp.spawn(_worker, args=(ws, _free_port(), seed, path), nprocs=ws, join=True)
+    if ws == 4:  # the sharded checkpoint into one process, no process group
+        full = _batch(seed, ws, "cpu")[0].state_dict()
+        whole = _layer("cpu")
+        DCP.load(whole, path)
+        assert all(torch.equal(v, full[k]) for k, v in whole.state_dict().items())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_nccl_fsdp_matches_single_process(gen):
+def test_gpu_nccl_fsdp_matches_single_process(gen, tmp_path):
     """FSDP2 alone and FSDP2 x EP (1 x 2) over NCCL on two GPUs, the GPU kernels; with four
     GPUs FSDP2 x EP at 2 x 2 too."""
     seed = int(torch.randint(2**31, (1,), generator=gen))
     print("seed", seed)
     for ws in (2, 4) if torch.cuda.device_count() >= 4 else (2,):
-        mp.spawn(_worker, args=(ws, _free_port(), seed, "nccl"), nprocs=ws, join=True)
+        path = str(tmp_path / f"dcp{ws}")
+        mp.spawn(_worker, args=(ws, _free_port(), seed, path, "nccl"), nprocs=ws, join=True)
