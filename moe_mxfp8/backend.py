@@ -84,7 +84,8 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
             cap = torch.cuda.get_device_capability(device)
             why = f"no MXFP8 kernels for compute capability {cap[0]}.{cap[1]}"
         else:
-            why = "nvidia-cutlass-dsl is not importable"
+            why = ("nvidia-cutlass-dsl is not importable (pip install 'moe_mxfp8[gpu]', or "
+                   "'moe_mxfp8[gpu-cu13]' for a CUDA 13 torch)")
         _warn_once(f"moe_mxfp8: {why}; falling back to the pure-PyTorch 'reference' backend")
         return "reference"
     if device.type != "cuda":
@@ -97,6 +98,6 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         )
     if not cutedsl_available():
         raise RuntimeError(
-            f"backend={backend!r} needs nvidia-cutlass-dsl (pip install nvidia-cutlass-dsl)"
+            f"backend={backend!r} needs nvidia-cutlass-dsl (pip install 'moe_mxfp8[gpu]')"
         )
     return backend

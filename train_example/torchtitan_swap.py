@@ -21,16 +21,30 @@ expert's token group to ``TOKEN_GROUP_ALIGN_SIZE_M``; when that is a multiple of
 `mxfp8moe_state_dict` converts one torchtitan MoE layer's state dict into `moe_mxfp8.MXFP8MoE`'s
 (the layer that also dispatches MXFP8 tokens itself, ``ep_group=...``).
 
+torchtitan 0.3 (``torchtitan/models/common/moe.py``) names the parameters ``w1_EFD``, ``w2_EDF``,
+``w3_EFD`` (under ``moe.routed_experts.inner_experts``) and gives ``GroupedExperts`` a
+``_grouped_mm(A=, B_t=, offs=)`` method meant to be overridden by low-precision variants. There
+`swap_grouped_experts` replaces that method on each instance with the MXFP8 grouped GEMM
+(`moe_mxfp8.grouped_mm`): module, parameters, state dict keys and sharding plans all stay
+torchtitan's own, so checkpoints interchange unchanged (tests/test_torchtitan.py runs torchtitan's
+MoE with it on the CPU). Call it on the model before ``parallelize``.
+
 This file only needs PyTorch and moe_mxfp8; torchtitan is recognised by duck typing (a module
-with 3-D parameters ``w1``, ``w2``, ``w3`` of the shapes above), so it runs without torchtitan.
+with 3-D parameters ``w1``, ``w2``, ``w3`` of the shapes above, or 0.3's ``w1_EFD``, ``w2_EDF``,
+``w3_EFD`` and ``_grouped_mm``), so it runs without torchtitan.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from moe_mxfp8 import grouped_mm
 from moe_mxfp8.experts import MXFP8GroupedExperts
+
+TITAN_SEAM_PARAMS = ("w1_EFD", "w2_EDF", "w3_EFD")  # torchtitan >= 0.3's GroupedExperts
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
@@ -45,12 +59,30 @@ def is_grouped_experts(module: nn.Module) -> bool:
     return tuple(w2.shape) == (e, d, h) and tuple(w3.shape) == (e, h, d)
 
 
-def swap_grouped_experts(model: nn.Module, **options) -> int:
-    """Replace every torchtitan ``GroupedExperts`` in ``model`` in place; returns how many.
+def has_grouped_mm_seam(module: nn.Module) -> bool:
+    """torchtitan >= 0.3's ``GroupedExperts``: ``w1_EFD``, ``w2_EDF``, ``w3_EFD`` and an
+    overridable ``_grouped_mm`` (not yet replaced)."""
+    return (all(isinstance(getattr(module, n, None), nn.Parameter) for n in TITAN_SEAM_PARAMS)
+            and callable(getattr(type(module), "_grouped_mm", None))
+            and "_grouped_mm" not in vars(module))
 
-    ``options`` go to `MXFP8GroupedExperts` (``precision``, ``backend``, ``wgrad``,
-    ``scale_blocks``, ``aligned_groups``, ...).
+
+def _mxfp8_grouped_mm(*, A, B_t, offs, **options):  # noqa: N803 (torchtitan's argument names)
+    return grouped_mm(A.to(torch.bfloat16), B_t.to(torch.bfloat16), offs.to(torch.int32),
+                      **options)
+
+
+def swap_grouped_experts(model: nn.Module, **options) -> int:
+    """Run every torchtitan ``GroupedExperts`` of ``model`` in MXFP8; returns how many.
+
+    torchtitan >= 0.3: each one's ``_grouped_mm`` becomes `moe_mxfp8.grouped_mm` with
+    ``options`` (``backend``, ``wgrad``, ``scale_blocks``, ``aligned_groups``, ...). Earlier
+    torchtitan: each module is replaced by an `MXFP8GroupedExperts` (``options`` go to it:
+    ``precision`` too) that takes over its parameters.
     """
+    seams = [m for m in model.modules() if has_grouped_mm_seam(m)]
+    for module in seams:
+        module._grouped_mm = functools.partial(_mxfp8_grouped_mm, **options)
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -65,7 +97,7 @@ def swap_grouped_experts(model: nn.Module, **options) -> int:
             setattr(new, n, getattr(old, n))  # the same Parameter objects: nothing copied
         new.train(old.training)
         setattr(parent, name, new)
-    return len(targets)
+    return len(seams) + len(targets)
 
 
 def mxfp8moe_state_dict(moe_sd: dict, prefix: str = "") -> dict:

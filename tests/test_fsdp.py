@@ -1,0 +1,236 @@
+"""FSDP2 (`fully_shard`) around `MXFP8MoE` over gloo (CPU), alone (world size 2) and with
+expert parallelism on a 2-D mesh (dp_mod_ep x ep = 2 x 2, world size 4, torchtitan's layout),
+against the single-process layer with the same weights; the same over NCCL on two GPUs.
+
+Bit-identical where the math is the same:
+
+* outputs and input gradients: FSDP all-gathers the exact weights and the layer's math is per
+  token, so each rank's rows equal the single-process layer's on the whole batch;
+* expert weight gradients: each rank's local gradient is the single-process layer's on the
+  rank's tokens (FSDP alone) or on its EP group's tokens (EP, BF16 payload); two of them are
+  summed by the reduce-scatter (one rounding of an exact sum: order-free) and divided by a power
+  of two (exact).
+
+Replicated parameters under EP (router, shared experts) are summed over four ranks in the
+collective's order: compared by SQNR.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_mxfp8 import MXFP8MoE
+from moe_mxfp8 import dcp as DCP
+from moe_mxfp8 import expert_parallel as EP
+from moe_mxfp8 import fsdp as FS
+
+BF16 = torch.bfloat16
+DIM, HIDDEN, EXPERTS, TOP_K = 64, 64, 8, 2
+TOKENS = {2: [40, 24], 4: [24, 8, 16, 32]}
+REPLICATED_MIN_DB = 40.0  # BF16 gradients summed per rank, then over ranks (as the EP test)
+DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+LAYER_BACKEND = {"cpu": "reference", "cuda": "auto"}
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
+
+
+def _layer(device, **opts):
+    return MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, backend=LAYER_BACKEND[device], device=device,
+                    num_shared_experts=1, **opts)
+
+
+def _batch(seed, ws, device):
+    torch.manual_seed(seed)
+    ref = _layer(device)
+    x = torch.randn(sum(TOKENS[ws]), DIM).to(device, BF16)
+    dy = torch.randn(sum(TOKENS[ws]), DIM).to(device, BF16)
+    return ref, x, dy
+
+
+def _fwd_bwd(layer, x, dy):
+    layer.zero_grad(set_to_none=True)
+    xa = x.clone().requires_grad_()
+    y = layer(xa)
+    (y.float() * dy.float()).sum().backward()
+    return y.detach(), xa.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _full(t):
+    """A DTensor gradient or parameter -> the whole tensor (a collective)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _slices(ws):
+    lo = [sum(TOKENS[ws][:r]) for r in range(ws)]
+    return [slice(a, a + n) for a, n in zip(lo, TOKENS[ws], strict=True)]
+
+
+def check_fsdp_alone(rank: int, ws: int, seed: int, device: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ref, x, dy = _batch(seed, ws, device)
+    y_ref, dx_ref, _ = _fwd_bwd(ref, x, dy)
+    per_rank = [_fwd_bwd(ref, x[s], dy[s])[2] for s in _slices(ws)]  # each rank's own tokens
+
+    layer = _layer(device)
+    layer.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh(device, (ws,))
+    FS.fully_shard_moe(layer, mesh)
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in layer.parameters())
+    sl = _slices(ws)[rank]
+    y, dx, g = _fwd_bwd(layer, x[sl], dy[sl])
+    assert torch.equal(y, y_ref[sl]) and torch.equal(dx, dx_ref[sl])
+    for name, grad in g.items():
+        want = sum(r[name] for r in per_rank) / ws  # two terms: one rounding, exact halving
+        got = _full(grad)
+        if ws == 2:
+            assert torch.equal(got, want), name
+        else:
+            assert sqnr_db(want, got) >= REPLICATED_MIN_DB, name
+    # a step changes only this rank's shard, and the next forward sees the update
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    opt.step()
+    ref_sd = {k: v - 0.5 * sum(r[k] for r in per_rank) / ws for k, v in ref.state_dict().items()}
+    for k, v in layer.state_dict().items():
+        assert torch.equal(_full(v), ref_sd[k].to(v.dtype)), k
+
+
+def check_fsdp_ep(rank: int, ws: int, seed: int, device: str) -> None:
+    """dp_mod_ep x ep = (ws / 2) x 2. World 4: EP groups {0, 1} and {2, 3}, FSDP over {0, 2} and
+    {1, 3}; world 2: one EP group, FSDP over one rank (the composition on two GPUs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = 2
+    ref, x, dy = _batch(seed, ws, device)
+    y_ref, dx_ref, g_ref = _fwd_bwd(ref, x, dy)
+    sls = _slices(ws)
+    # the single-process layer on each EP group's tokens (what the all-to-all brings together)
+    group_tokens = [slice(sls[d * ep].start, sls[d * ep + ep - 1].stop) for d in range(ws // ep)]
+    per_group = [_fwd_bwd(ref, x[s], dy[s])[2] for s in group_tokens]
+
+    mesh = init_device_mesh(device, (ws // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+    layer = _layer(device, ep_group=mesh["ep"].get_group(), ep_payload="bf16")
+    layer.load_state_dict(ref.state_dict())  # full checkpoint -> this rank's experts
+    FS.fully_shard_moe(layer, ep_dp_mesh=mesh["dp_mod_ep"], world_size=ws)
+    sl = sls[rank]
+    y, dx, g = _fwd_bwd(layer, x[sl], dy[sl])
+    FS.reduce_replicated_grads(layer)
+    assert torch.equal(y, y_ref[sl]) and torch.equal(dx, dx_ref[sl])
+    e_local = EXPERTS // ep
+    experts = slice(layer.ep_rank * e_local, (layer.ep_rank + 1) * e_local)
+    for name in EP.EXPERT_PARAMS:
+        want = sum(r[name][experts] for r in per_group) / ws
+        assert torch.equal(_full(g[name]), want), name
+    for name, _ in EP.replicated_parameters(layer):
+        db = sqnr_db(g_ref[name] / ws, _full(g[name]))
+        assert db >= REPLICATED_MIN_DB, (name, db)
+    with pytest.raises(ValueError, match="world_size"):
+        FS.fully_shard_moe(_layer(device, ep_group=mesh["ep"].get_group()),
+                           ep_dp_mesh=mesh["dp_mod_ep"], world_size=ws + 2)
+
+
+def check_dcp(rank: int, ws: int, seed: int, device: str, path: str) -> None:
+    """DCP save of the FSDP x EP layer (dp_mod_ep 2 x ep 2); load into EP 4 without FSDP, into
+    the FSDP x EP layer and into a whole layer on every rank; a differing top_k is refused (the
+    load into one process outside any group runs in the test itself)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ref, *_ = _batch(seed, ws, device)
+    full = ref.state_dict()
+    mesh = init_device_mesh(device, (ws // 2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    src = _layer(device, ep_group=mesh["ep"].get_group())
+    src.load_state_dict(full)
+    FS.fully_shard_moe(src, ep_dp_mesh=mesh["dp_mod_ep"], world_size=ws)
+    DCP.save(src, path)
+
+    ep4 = _layer(device, ep_group=dist.group.WORLD)  # another EP size, no FSDP
+    for p in ep4.parameters():
+        p.data.zero_()
+    DCP.load(ep4, path)
+    want = EP.shard_expert_state_dict(full, rank, ws)
+    assert all(torch.equal(v, want[k]) for k, v in ep4.state_dict().items())
+    whole = _layer(device)
+    for p in whole.parameters():
+        p.data.zero_()
+    DCP.load(whole, path)
+    assert all(torch.equal(v, full[k]) for k, v in whole.state_dict().items())
+    for p in src.parameters():  # back into the sharded layer itself
+        p.data.zero_()
+    DCP.load(src, path)
+    assert all(torch.equal(_full(v), full[k]) for k, v in DCP.state_dict(src).items()
+               if k != DCP.CONFIG_KEY)
+    other = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K + 1, num_shared_experts=1, device=device)
+    with pytest.raises(ValueError, match="top_k=2 but the model has top_k=3"):
+        DCP.load(other, path)
+
+
+# CPU: FSDP alone at world 2, FSDP x EP at 4 (CI time); NCCL: every check the GPUs allow
+CHECKS = {("gloo", 2): [check_fsdp_alone], ("gloo", 4): [check_fsdp_ep, check_dcp],
+          ("nccl", 2): [check_fsdp_alone, check_fsdp_ep], ("nccl", 4): [check_fsdp_ep, check_dcp]}
+
+
+def _worker(rank: int, ws: int, port: int, seed: int, path: str, pg_backend: str = "gloo"
+            ) -> None:
+    torch.set_num_threads(1)
+    extra = {}
+    if pg_backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ws, timeout=timedelta(seconds=120), **extra)
+    try:
+        for check in CHECKS[pg_backend, ws]:
+            args = (path,) if check is check_dcp else ()
+            check(rank, ws, seed, DEVICE[pg_backend], *args)
+        dist.barrier()  # nobody tears the group down while a peer still talks to it
+    finally:
+        dist.destroy_process_group()
+    # Every check passed: leave without C++ static destructors (a gloo transport thread still
+    # joinable at interpreter exit aborts the process; tests/test_expert_parallel.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("ws", [2, 4])
+def test_fsdp_matches_single_process(gen, ws, tmp_path):
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    print("seed", seed)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    path = str(tmp_path / "dcp")
+    mp.spawn(_worker, args=(ws, _free_port(), seed, path), nprocs=ws, join=True)
+    if ws == 4:  # the sharded checkpoint into one process, no process group
+        full = _batch(seed, ws, "cpu")[0].state_dict()
+        whole = _layer("cpu")
+        DCP.load(whole, path)
+        assert all(torch.equal(v, full[k]) for k, v in whole.state_dict().items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_nccl_fsdp_matches_single_process(gen, tmp_path):
+    """FSDP2 alone and FSDP2 x EP (1 x 2) over NCCL on two GPUs, the GPU kernels; with four
+    GPUs FSDP2 x EP at 2 x 2 too."""
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    print("seed", seed)
+    for ws in (2, 4) if torch.cuda.device_count() >= 4 else (2,):
+        path = str(tmp_path / f"dcp{ws}")
+        mp.spawn(_worker, args=(ws, _free_port(), seed, path, "nccl"), nprocs=ws, join=True)
