@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,8 @@ def _global_configs(model: nn.Module) -> dict[str, dict]:
     return {name: {**cfg, "expert_shard": None} for name, cfg in CK.layer_configs(model).items()}
 
 
-def _expert_mesh(layer: MXFP8MoE, param: torch.Tensor):
+def _expert_mesh(layer: Any, param: torch.Tensor):
+    # layer: an MXFP8MoE; Any because expert parallelism sets its ep_* attributes at run time
     """The mesh an EP layer's expert tensor is sharded on: ``ep`` (1-D) or ``(ep, ep_dp)`` under
     FSDP2 (EP outermost: a rank's experts are one contiguous block of the global E)."""
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
@@ -51,7 +53,7 @@ def _expert_mesh(layer: MXFP8MoE, param: torch.Tensor):
         return DeviceMesh.from_group(layer.ep_group, device, mesh_dim_names=("ep",))
     dp_mesh = param.device_mesh
     # every rank's (ep rank, ep_dp rank): the 2-D layout of the global ranks
-    coords = [None] * dist.get_world_size()
+    coords: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(coords, (layer.ep_rank, dp_mesh.get_local_rank()))
     layout = torch.empty(layer.ep_size, dp_mesh.size(), dtype=torch.int64)
     for rank, (e, d) in enumerate(coords):

@@ -33,6 +33,8 @@ experts (torchtitan's ``dp_shard_mod_ep``). Then:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -78,8 +80,9 @@ def fully_shard_moe(model: nn.Module, dp_mesh=None, *, ep_dp_mesh=None, world_si
         # Divide by all data-parallel ranks, not the ep_dp_mesh's (see the module doc). A sum
         # then one division (a power of two is exact): gloo has no pre-multiplied sum, and the
         # same order on NCCL keeps CPU and GPU runs alike.
-        layer.set_gradient_divide_factor(float(world_size))
-        layer.set_force_sum_reduction_for_comms(True)
+        sharded: Any = layer  # fully_shard made it an FSDPModule in place
+        sharded.set_gradient_divide_factor(float(world_size))
+        sharded.set_force_sum_reduction_for_comms(True)
     return layers
 
 
