@@ -181,3 +181,27 @@ def test_quantizers_keep_the_exact_recipe_by_default(gpu_standin):
     exact = quantize_rowwise(x, backend="reference", scale_blocks="1x32")
     assert torch.equal(q.scale, exact.scale) and torch.equal(q.data.view(torch.uint8),
                                                              exact.data.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_auto_runs_the_arch_recipe():
+    """On the real GPU: "auto" is the table's recipe for its compute capability, and the auto
+    layer's forward and backward are bit for bit the explicit recipe's."""
+    dev = torch.device("cuda")
+    major = torch.cuda.get_device_capability(dev)[0]
+    want = {9: B.HOPPER_AUTO_SCALE_BLOCKS, 10: "1x32"}.get(major, "1x32")
+    assert B.auto_scale_blocks(dev) == want
+    layers = []
+    for recipe in ("auto", want):
+        torch.manual_seed(0)
+        layers.append(MXFP8MoE(D, H, E, K, scale_blocks=recipe, device=dev))
+    outs = []
+    for layer in layers:
+        torch.manual_seed(1)
+        x = torch.randn(256, D, dtype=torch.bfloat16, device=dev, requires_grad=True)
+        y = layer(x)
+        y.float().square().sum().backward()
+        outs.append((y.detach(), x.grad, layer.w_gate_up.grad, layer.w_down.grad))
+    assert _same(*outs)
+    assert f"scale_blocks='auto' ({want} on cuda sm_" in repr(layers[0])
