@@ -245,7 +245,7 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
                       save_colwise=bool(args.save_colwise), weight_blocks=args.weight_blocks,
                       wgrad=args.wgrad, **extra)
         mx.load_state_dict(bf16.state_dict())
-        models[f"mxfp8 {mx.scale_blocks}"] = mx
+        models[f"mxfp8 {mx.resolved_scale_blocks()}"] = mx
     for m in models.values():
         impose_routing(m, ids, weights)
     xs = Rotating([torch.randn(shape.tokens, shape.dim, device="cuda", dtype=torch.bfloat16)
@@ -286,7 +286,7 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
                 continue
             row = {
                 "shape": shape.name, "routing": "balanced" if skew == 0 else f"skew{skew:g}",
-                "weight_blocks": mx.weight_blocks, "scale_blocks": mx.scale_blocks,
+                "weight_blocks": mx.weight_blocks, "scale_blocks": mx.resolved_scale_blocks(),
                 "wgrad": args.wgrad, "save_colwise": bool(args.save_colwise),
                 "pass": "fwd+bwd" if backward else "fwd", **asdict(shape),
                 "bf16_ms": res["bf16"][0] / 1e3, "mxfp8_ms": res[name][0] / 1e3,
@@ -303,7 +303,8 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
                 if src + "_breakdown" in res:
                     row[key + "_breakdown_ms"], row[key + "_top_kernels"] = res[src + "_breakdown"]
             rows.append(row)
-            print(f"{row['shape']:>8} {row['routing']:>9} {row['pass']:>8} {mx.scale_blocks:>5} | "
+            print(f"{row['shape']:>8} {row['routing']:>9} {row['pass']:>8} "
+                  f"{row['scale_blocks']:>5} | "
                   f"bf16 {row['bf16_ms']:8.2f} ms {row['bf16_tflops']:6.0f} TF | mxfp8 "
                   f"{row['mxfp8_ms']:8.2f} ms {row['mxfp8_tflops']:6.0f} TF | "
                   f"x{row['speedup']:.2f} | peak "

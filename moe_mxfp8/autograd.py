@@ -17,7 +17,8 @@ it takes the same time and less peak memory (docs/design/datapath.md).
 ``wgrad="bf16"`` computes the weight gradient in BF16 with ``torch._grouped_mm`` instead.
 
 ``scale_blocks`` names the scale-block recipe (one vocabulary with the quantizers and
-`MXFP8MoE`): ``"1x32"`` (default, exact MXFP8 everywhere), ``"32x32"`` (W with one scale per
+`MXFP8MoE`): ``"auto"`` (default: the recipe of x's device, `moe_mxfp8.backend.auto_scale_blocks`),
+``"1x32"`` (exact MXFP8 everywhere), ``"32x32"`` (W with one scale per
 32x32 tile, X/dY 1x32) and ``"1x128"`` (X, dY and both wgrad operands one scale per 128
 elements along the reduced axis, W one per 128x128 tile; every 32-block carries its 128-block's
 scale, so each operand is still a valid MXFP8 tensor and the Blackwell kernel consumes it
@@ -51,6 +52,7 @@ from torch import Tensor
 
 from . import checks as C
 from . import layout as L
+from .backend import AUTO, auto_scale_blocks
 from .checks import COMPUTE_DTYPE
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .kernels.mx_format import K_GROUP_ALIGN
@@ -99,24 +101,27 @@ def check_mxfp8_dims(precision, dim, hidden_dim, who: str, why: str = "") -> Non
                 )
 
 
-def check_scale_blocks(scale_blocks, who: str = "grouped_mm") -> None:
-    if not isinstance(scale_blocks, str) or scale_blocks not in SCALE_BLOCKS:
+def check_scale_blocks(scale_blocks, who: str = "grouped_mm", *, auto: bool = False) -> None:
+    """A recipe of `SCALE_BLOCKS` (or ``"auto"`` where ``auto``)."""
+    names = (AUTO, *SCALE_BLOCKS) if auto else SCALE_BLOCKS
+    if not isinstance(scale_blocks, str) or scale_blocks not in names:
         raise ValueError(
-            f"{who}: scale_blocks must be one of {SCALE_BLOCKS} (exact MXFP8; 32x32 weight "
-            f"tiles; 1x128 activation blocks with 128x128 weight tiles), got {scale_blocks!r}"
+            f"{who}: scale_blocks must be one of {names} ({'per device; ' if auto else ''}exact "
+            f"MXFP8; 32x32 weight tiles; 1x128 activation blocks with 128x128 weight tiles), "
+            f"got {scale_blocks!r}"
         )
 
 
 def resolve_scale_blocks(scale_blocks, weight_blocks, who: str = "grouped_mm") -> str:
-    """The recipe from ``scale_blocks`` and the older ``weight_blocks`` (None or "1x32": not
-    given; "32x32" agrees only with ``scale_blocks`` "1x32" (its default) or "32x32")."""
-    check_scale_blocks(scale_blocks, who)
+    """The recipe (or ``"auto"``) from ``scale_blocks`` and the older ``weight_blocks`` (None or
+    "1x32": not given; "32x32" agrees only with ``scale_blocks`` "auto", "1x32" or "32x32")."""
+    check_scale_blocks(scale_blocks, who, auto=True)
     if weight_blocks is None:
         return scale_blocks
     check_weight_blocks(weight_blocks, who)
     if weight_blocks == "1x32":
         return scale_blocks
-    if scale_blocks not in ("1x32", weight_blocks):
+    if scale_blocks not in (AUTO, "1x32", weight_blocks):
         raise ValueError(f"{who}: pass scale_blocks or weight_blocks, not both "
                          f"({scale_blocks!r} vs {weight_blocks!r})")
     return weight_blocks
@@ -354,7 +359,7 @@ def grouped_mm(
     backend: str = "auto",
     wgrad: str = "mxfp8",
     save_colwise: bool = True,
-    scale_blocks: str = "1x32",
+    scale_blocks: str = AUTO,
     aligned_groups: bool = False,
     weight_blocks: str | None = None,
 ) -> Tensor:
@@ -371,7 +376,9 @@ def grouped_mm(
         save_colwise: with ``wgrad="mxfp8"``, quantize x's columnwise (wgrad) copy in forward
             together with the rowwise one and save it in FP8 instead of the BF16 ``x`` (default:
             same time, less memory); False re-quantizes x in backward. Same bytes either way.
-        scale_blocks: the scale-block recipe. ``"1x32"`` (default: exact MXFP8, one scale per
+        scale_blocks: the scale-block recipe. ``"auto"`` (default): the recipe of x's device,
+            `moe_mxfp8.backend.auto_scale_blocks` (``"1x128"`` on Hopper, ``"1x32"`` on
+            Blackwell and CPUs); ``"1x32"`` (exact MXFP8, one scale per
             32 elements along every GEMM's reduced axis); ``"32x32"`` (one scale per 32x32 tile
             of each expert's W for fprop and dgrad; X, dY and wgrad unchanged); ``"1x128"``
             (X and dY one scale per 128 elements along the reduced axis, in wgrad per 128
@@ -387,6 +394,8 @@ def grouped_mm(
         view of a contiguous ``(E, N, K)`` tensor, i.e. contiguous for the usual ``w``).
     """
     scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks)
+    if scale_blocks == AUTO and isinstance(x, torch.Tensor):  # (not a tensor: _check_args says)
+        scale_blocks = auto_scale_blocks(x.device)
     _check_args(x, w_t, offs, backend, wgrad, scale_blocks)
     save = (
         bool(save_colwise)

@@ -5,6 +5,10 @@
 once that it fell back. Asking for a kernel backend that cannot run is an error, never a silent
 fallback. The ``MOE_MXFP8_BACKEND`` environment variable replaces ``"auto"`` (an explicit
 non-auto argument wins over it).
+
+The scale-block recipe has an ``"auto"`` too (`auto_scale_blocks`): the fastest recipe that
+trains like BF16 on the device's kind of GPU, the exact ``"1x32"`` wherever no other is known to
+be better.
 """
 
 from __future__ import annotations
@@ -25,6 +29,18 @@ ARCH_BY_MAJOR = {9: "sm90", 10: "sm100"}
 
 _warned: set[str] = set()
 
+AUTO = "auto"  # scale_blocks="auto": the recipe chosen per kind of device (`auto_scale_blocks`)
+# The recipe of scale_blocks="auto" on Hopper: one E8M0 scale per 128 elements (docs/numerics.md,
+# "The 1x128 recipe"); its GEMMs promote once per k=128, 0.87-1.21x the BF16 twin's layer time
+# where exact 1x32 runs 0.56-0.69x (H100, 2026-11-26). Chosen by the loss-parity protocol
+# (`python -m train_example.parity --seeds N`); "1x32" if the protocol does not support it.
+HOPPER_AUTO_SCALE_BLOCKS = "1x128"
+# Kernel backend -> the recipe "auto" means there. Blackwell's tensor cores take 1x32 scales
+# natively, so the exact recipe costs nothing there; everything else (CPU, other GPUs) runs the
+# exact recipe too.
+AUTO_SCALE_BLOCKS_BY_ARCH = {"sm90": HOPPER_AUTO_SCALE_BLOCKS, "sm100": "1x32"}
+EXACT_SCALE_BLOCKS = "1x32"
+
 
 def cutedsl_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None
@@ -32,10 +48,59 @@ def cutedsl_available() -> bool:
 
 def kernel_backend_for(device: torch.device) -> str | None:
     """The kernel backend for a device, or None (CPU, or a GPU without MXFP8 kernels)."""
+    cap = device_capability(device)
+    return None if cap is None else ARCH_BY_MAJOR.get(cap[0])
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device``, None for any other device (one place, so
+    tests can stand in for a GPU)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    major, _ = torch.cuda.get_device_capability(device)
-    return ARCH_BY_MAJOR.get(major)
+    return torch.cuda.get_device_capability(device)
+
+
+def device_kind(device: torch.device | str) -> str:
+    """``"cpu"``, ``"cuda sm_90"``, ...: what `auto_scale_blocks` depends on."""
+    device = torch.device(device)
+    cap = device_capability(device)
+    return device.type if cap is None else f"{device.type} sm_{cap[0]}{cap[1]}"
+
+
+def auto_scale_blocks(device: torch.device | str) -> str:
+    """The recipe ``scale_blocks="auto"`` resolves to on ``device``: `HOPPER_AUTO_SCALE_BLOCKS`
+    on sm_90, the exact ``"1x32"`` on sm_100, on CPUs and on every other GPU."""
+    cap = device_capability(torch.device(device))
+    arch = None if cap is None else ARCH_BY_MAJOR.get(cap[0])
+    return AUTO_SCALE_BLOCKS_BY_ARCH.get(arch, EXACT_SCALE_BLOCKS)
+
+
+class AutoScaleBlocks:
+    """``scale_blocks="auto"`` of one layer: resolved once per kind of device (`device_kind`,
+    at the layer's first forward there); a forward that resolves to another recipe than the
+    layer's previous one (the layer moved to another kind of GPU) warns once."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.ran: tuple[str, str] | None = None  # (device kind, recipe) of the last forward
+
+    def peek(self, device: torch.device) -> tuple[str, str]:
+        """``(recipe, device kind)`` on ``device``, recording nothing."""
+        kind = device_kind(device)
+        if self.ran is not None and self.ran[0] == kind:
+            return self.ran[1], kind
+        return auto_scale_blocks(device), kind
+
+    def for_forward(self, device: torch.device) -> str:
+        """The recipe of a forward on ``device`` (recorded; warns if it changed)."""
+        recipe, kind = self.peek(device)
+        if self.ran is not None and self.ran[0] != kind:
+            if self.ran[1] != recipe:
+                warnings.warn(f"{self.who}: scale_blocks='auto' now resolves to {recipe!r} on "
+                              f"{kind} (was {self.ran[1]!r} on {self.ran[0]})", RuntimeWarning,
+                              stacklevel=3)
+        self.ran = (kind, recipe)
+        return recipe
 
 
 def _warn_once(msg: str) -> None:

@@ -7,7 +7,9 @@ metadata, each `MXFP8MoE` submodule's `MXFP8MoE.checkpoint_config` (the construc
 that change what the weights mean, and which experts an expert-parallel shard holds) under its
 qualified name.
 `load_file` compares them with the model before loading any tensor and refuses a mismatch with
-one line naming the layer, the field and both values::
+one line naming the layer, the field and both values. The layer's scale-block recipe is recorded
+too (asked for and in use) but not compared: the BF16 twin and every recipe share the weights; a
+layer asking for ``"auto"`` takes over a recorded explicit recipe::
 
     from moe_mxfp8 import checkpoint
 
@@ -211,6 +213,8 @@ def check_layer_configs(model: nn.Module, saved: dict[str, dict] | None, *, stri
             f"{field}={saved[name][field]!r} but the model has {field}={value!r}"
             for field, value in have[name].items()
             if field in saved[name] and saved[name][field] != value
+            # the recipe is recorded, not compared (`MXFP8MoE.load_recorded_recipe`)
+            and field != MXFP8MoE.RECIPE_FIELD
             # all experts (None) load into an expert-parallel shard too (sliced on load)
             and not (field == "expert_shard" and saved[name][field] is None)
         ]
@@ -238,7 +242,8 @@ def load_file(model: nn.Module, path: PathLike, *, strict: bool = True,
         raise ValueError(f"load_file: device must be a torch device, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"load_file: device={device!r}, but no CUDA GPU is visible to torch")
-    check_layer_configs(model, read_layer_configs(path), strict=strict, source=source)
+    saved = read_layer_configs(path)
+    check_layer_configs(model, saved, strict=strict, source=source)
     if not verify_checksums(path) and source not in _warned_unverified:
         _warned_unverified.add(source)
         warnings.warn(f"{source} records no tensor checksums (written by an older "
@@ -247,4 +252,7 @@ def load_file(model: nn.Module, path: PathLike, *, strict: bool = True,
     if isinstance(device, torch.device):
         device = str(device)
     missing, unexpected = load_model(model, os.fspath(path), strict=strict, device=device)
+    for name, mod in model.named_modules():
+        if isinstance(mod, MXFP8MoE) and name in (saved or {}):
+            mod.load_recorded_recipe(saved[name].get(MXFP8MoE.RECIPE_FIELD))
     return sorted(missing), sorted(unexpected)

@@ -333,7 +333,7 @@ def _local_experts(layer, x_recv: Tensor, plan: _Plan) -> Tensor:
     return DP.routed_experts(
         x_recv, layer.w_gate_up.to(COMPUTE_DTYPE), layer.w_down.to(COMPUTE_DTYPE), ones,
         plan.land.to(torch.int32).view(r, 1), src, plan.offs, precision=layer.precision,
-        backend=layer.backend, wgrad=layer.wgrad, scale_blocks=layer.scale_blocks,
+        backend=layer.backend, wgrad=layer.wgrad, scale_blocks=layer.resolved_scale_blocks(),
     )
 
 
@@ -348,6 +348,8 @@ def ep_forward(layer, x: Tensor) -> Tensor:
     layer.tokens_per_expert = counts.detach()
 
     order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
+    if layer.precision == "mxfp8":
+        layer._recipe_for(x.device)  # "auto" resolved for this device (warns if it changed)
     align = layer.group_align_rows if layer.precision == "mxfp8" else 1
     plan = make_plan(counts, layer.ep_group, align)
     x_recv = _Dispatch.apply(x_flat, order, k, plan, layer.ep_payload, layer.backend)

@@ -40,7 +40,9 @@ from .autograd import (
     check_mxfp8_dims,
     check_weight_blocks,
     grouped_mm,
+    resolve_scale_blocks,
 )
+from .backend import AUTO, AutoScaleBlocks
 from .checks import COMPUTE_DTYPE, PRECISIONS
 
 
@@ -59,7 +61,8 @@ class MXFP8GroupedExperts(nn.Module):
         use_grouped_mm: torchtitan's argument, accepted for the same signature; the experts
             always run as grouped GEMMs (its for-loop path computes the same math).
         precision: ``"mxfp8"`` (`moe_mxfp8.grouped_mm`) or ``"bf16"`` (``torch._grouped_mm``).
-        backend, wgrad, save_colwise, weight_blocks: as in `MXFP8MoE` (mxfp8 only).
+        backend, wgrad, save_colwise, weight_blocks, scale_blocks: as in `MXFP8MoE` (mxfp8
+            only; ``scale_blocks="auto"``, the default, is the recipe of the GPU it runs on).
         aligned_groups: every group starts on a multiple of 16 rows (see the module doc).
         device, dtype: of the parameters (torchtitan keeps them in float32).
     """
@@ -76,6 +79,7 @@ class MXFP8GroupedExperts(nn.Module):
         wgrad: str = "mxfp8",
         save_colwise: bool = True,
         weight_blocks: str = "1x32",
+        scale_blocks: str = AUTO,
         aligned_groups: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
@@ -91,6 +95,7 @@ class MXFP8GroupedExperts(nn.Module):
                 f"MXFP8GroupedExperts: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}"
             )
         check_weight_blocks(weight_blocks, "MXFP8GroupedExperts")
+        scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks, "MXFP8GroupedExperts")
         check_mxfp8_dims(precision, dim, hidden_dim, "MXFP8GroupedExperts")
         self.num_experts = num_experts
         self.use_grouped_mm = bool(use_grouped_mm)
@@ -98,7 +103,9 @@ class MXFP8GroupedExperts(nn.Module):
         self.backend = backend
         self.wgrad = wgrad
         self.save_colwise = bool(save_colwise)
-        self.weight_blocks = weight_blocks
+        self.weight_blocks = scale_blocks if scale_blocks == "32x32" else "1x32"  # older name
+        self.scale_blocks = scale_blocks  # as asked: "auto" or a recipe
+        self._auto_recipe = AutoScaleBlocks("MXFP8GroupedExperts")
         self.aligned_groups = bool(aligned_groups)
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))
@@ -116,14 +123,21 @@ class MXFP8GroupedExperts(nn.Module):
         s = f"dim={d}, hidden_dim={h}, num_experts={e}, precision={self.precision!r}"
         if self.precision == "mxfp8":
             s += f", backend={self.backend!r}, wgrad={self.wgrad!r}"
+            if self.scale_blocks == AUTO:
+                recipe, kind = self._auto_recipe.peek(self.w1.device)
+                s += f", scale_blocks='auto' ({recipe} on {kind})"
+            else:
+                s += f", scale_blocks={self.scale_blocks!r}"
         return s
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         w_t = w.to(COMPUTE_DTYPE).transpose(-2, -1)  # (E, K, N) view of (E, N, K)
         if self.precision == "bf16":
             return torch._grouped_mm(x, w_t, offs=offs)
+        recipe = (self._auto_recipe.for_forward(x.device) if self.scale_blocks == AUTO
+                  else self.scale_blocks)
         return grouped_mm(x, w_t, offs, backend=self.backend, wgrad=self.wgrad,
-                          save_colwise=self.save_colwise, weight_blocks=self.weight_blocks,
+                          save_colwise=self.save_colwise, scale_blocks=recipe,
                           aligned_groups=self.aligned_groups)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:

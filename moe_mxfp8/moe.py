@@ -57,7 +57,7 @@ from .autograd import (
     check_weight_blocks,
     resolve_scale_blocks,
 )
-from .backend import check_backend_name
+from .backend import AUTO, AutoScaleBlocks, check_backend_name
 from .checks import COMPUTE_DTYPE, PRECISIONS, NonFiniteInputError
 from .kernels.mx_format import K_GROUP_ALIGN
 from .op_library import define_op
@@ -151,6 +151,11 @@ def _nonfinite_rows_or_raise_fake(logits, who):
     return logits.new_empty(logits.shape[0], dtype=torch.bool)
 
 
+def group_align_rows(scale_blocks: str) -> int:
+    """Rows each expert group starts on in the MXFP8 layout of recipe ``scale_blocks``."""
+    return GROUP_ALIGN_ROWS_1X128 if scale_blocks == "1x128" else GROUP_ALIGN_ROWS
+
+
 def _padded_extent(m: int, num_experts: int, align: int = GROUP_ALIGN_ROWS) -> int:
     """Static row count of the ``align``-aligned expert-sorted buffer (16 rows by default):
     `moe_mxfp8.datapath.padded_extent`, i.e. `kernels.mx_format.padded_extent`, the one copy
@@ -184,10 +189,14 @@ class MXFP8MoE(nn.Module):
         weight_blocks: ``"1x32"`` (default) or ``"32x32"``: scale blocks of the routed expert
             weights in fprop and dgrad (mxfp8 only; see `moe_mxfp8.grouped_mm`).
         scale_blocks: the scale-block recipe of the expert GEMMs (mxfp8 only; one vocabulary
-            with `moe_mxfp8.grouped_mm` and the quantizers): ``"1x32"`` (default, exact MXFP8),
-            ``"32x32"`` (= ``weight_blocks="32x32"``) or ``"1x128"`` (activations/gradients one
-            scale per 128 elements, weights per 128x128 tile; groups padded to 128 rows; still
-            MXFP8 tensors, faster on Hopper: docs/numerics.md "The 1x128 recipe").
+            with `moe_mxfp8.grouped_mm` and the quantizers): ``"auto"`` (default: the recipe of
+            the GPU the layer runs on, `moe_mxfp8.backend.auto_scale_blocks` -- ``"1x128"`` on
+            Hopper, the exact ``"1x32"`` on Blackwell and on CPUs; resolved at the first forward
+            on a device and again, with a warning, if the layer moves to another kind of GPU),
+            ``"1x32"`` (exact MXFP8), ``"32x32"`` (= ``weight_blocks="32x32"``) or ``"1x128"``
+            (activations/gradients one scale per 128 elements, weights per 128x128 tile; groups
+            padded to 128 rows; still MXFP8 tensors, faster on Hopper: docs/numerics.md "The
+            1x128 recipe"). An explicit recipe is used on every device.
         num_shared_experts: ``S >= 0`` shared experts (DeepSeek-V3 / Qwen-MoE / torchtitan): one
             dense SwiGLU FFN of hidden size ``S * hidden_dim`` -- torchtitan's
             ``FeedForward(dim, hidden_dim * num_shared_experts)`` -- applied to every token, its
@@ -250,7 +259,7 @@ class MXFP8MoE(nn.Module):
         wgrad: str = "mxfp8",
         save_colwise: bool = True,
         weight_blocks: str = "1x32",
-        scale_blocks: str = "1x32",
+        scale_blocks: str = AUTO,
         num_shared_experts: int = 0,
         ep_group=None,
         ep_payload: str | None = None,
@@ -311,11 +320,10 @@ class MXFP8MoE(nn.Module):
         self.aux_loss_coef = float(aux_loss_coef)
         self.wgrad = wgrad
         self.save_colwise = bool(save_colwise)
-        self.scale_blocks = scale_blocks
+        self.scale_blocks = scale_blocks  # as asked: "auto" or a recipe
         self.weight_blocks = scale_blocks if scale_blocks == "32x32" else "1x32"  # older name
-        self.group_align_rows = (GROUP_ALIGN_ROWS_1X128 if scale_blocks == "1x128"
-                                 else GROUP_ALIGN_ROWS)
         self.check_finite = check_finite  # validated by the property's setter
+        self._auto_recipe = AutoScaleBlocks("MXFP8MoE")
         self.num_shared_experts = num_shared_experts
         self.shared_hidden_dim = num_shared_experts * hidden_dim  # torchtitan's FeedForward
         e_local = EP.setup_layer(self, ep_group, ep_payload, ep_grad_payload)  # E / ep_size
@@ -369,11 +377,36 @@ class MXFP8MoE(nn.Module):
             s += f", backend={self.backend!r}, wgrad={self.wgrad!r}"
             if self.weight_blocks != "1x32":
                 s += f", weight_blocks={self.weight_blocks!r}"
-            if self.scale_blocks == "1x128":
+            if self.scale_blocks == AUTO:
+                recipe, kind = self._auto_recipe.peek(self.w_gate_up.device)
+                s += f", scale_blocks='auto' ({recipe} on {kind})"
+            elif self.scale_blocks == "1x128":
                 s += f", scale_blocks={self.scale_blocks!r}"
             if not self.save_colwise:
                 s += ", save_colwise=False"
         return s
+
+    # -----------------------------------------------------------------------------------------
+    # the scale-block recipe: scale_blocks="auto" resolved per kind of device
+    # -----------------------------------------------------------------------------------------
+
+    def resolved_scale_blocks(self) -> str:
+        """The recipe the expert GEMMs use on the parameters' device: ``scale_blocks`` when
+        given explicitly, else what ``"auto"`` resolves to there (without running anything)."""
+        if self.scale_blocks != AUTO:
+            return self.scale_blocks
+        return self._auto_recipe.peek(self.w_gate_up.device)[0]
+
+    def _recipe_for(self, device: torch.device) -> str:
+        """The recipe of a forward on ``device`` (``"auto"``: `AutoScaleBlocks.for_forward`)."""
+        if self.scale_blocks != AUTO:
+            return self.scale_blocks
+        return self._auto_recipe.for_forward(device)
+
+    @property
+    def group_align_rows(self) -> int:
+        """Rows each expert group of the MXFP8 layout starts on (128 for the 1x128 recipe)."""
+        return group_align_rows(self.resolved_scale_blocks())
 
     # -----------------------------------------------------------------------------------------
     # the layer as an object: copies and checkpoint configuration
@@ -388,13 +421,30 @@ class MXFP8MoE(nn.Module):
         "renormalize",
     )
 
+    # Recorded in a checkpoint, never compared on load: the recipe. ``{"requested": "auto" or a
+    # recipe, "resolved": the recipe in use}``; `load_recorded_recipe` keeps an explicit one.
+    RECIPE_FIELD = "scale_blocks"
+
     def checkpoint_config(self) -> dict:
         """The `CHECKPOINT_FIELDS` of this layer, plus ``expert_shard``: ``[ep_rank, ep_size]``
-        when the expert tensors hold one rank's share of the experts, else None (all of them)."""
+        when the expert tensors hold one rank's share of the experts, else None (all of them),
+        and the recipe (`RECIPE_FIELD`, informational)."""
         cfg = {name: getattr(self, name) for name in self.CHECKPOINT_FIELDS}
         ep_size = getattr(self, "ep_size", 1)
         cfg["expert_shard"] = [self.ep_rank, ep_size] if ep_size > 1 else None
+        cfg[self.RECIPE_FIELD] = {"requested": self.scale_blocks,
+                                  "resolved": self.resolved_scale_blocks()}
         return cfg
+
+    def load_recorded_recipe(self, recorded) -> None:
+        """A checkpoint written with an explicit recipe keeps it in a layer asking for
+        ``"auto"`` (a run resumed on another kind of GPU trains on with the same recipe); the
+        layer's own explicit choice always wins. ``recorded``: the checkpoint's `RECIPE_FIELD`."""
+        requested = recorded.get("requested") if isinstance(recorded, dict) else None
+        if self.scale_blocks == AUTO and requested not in (None, AUTO):
+            self.scale_blocks = resolve_scale_blocks(requested, None, "MXFP8MoE checkpoint")
+            self.weight_blocks = requested if requested == "32x32" else "1x32"
+            self._auto_recipe = AutoScaleBlocks("MXFP8MoE")
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickle) takes ``aux_loss`` detached: the live tensor holds
@@ -504,13 +554,14 @@ class MXFP8MoE(nn.Module):
         # writes the sorted, group-padded rows already quantized (blocks of 32, or 128 for
         # "1x128"), SwiGLU and combine are fused with (de)quantization, the backward sums in a
         # fixed order (deterministic). The BF16 twin runs the same kernels without quantization.
-        align = self.group_align_rows if self.precision == "mxfp8" else 1
+        recipe = self._recipe_for(x.device) if self.precision == "mxfp8" else "1x32"
+        align = group_align_rows(recipe) if self.precision == "mxfp8" else 1
         rows, src, offs = DP.route_layout(expert_ids, counts, align)
         out = DP.routed_experts(
             x_flat.to(COMPUTE_DTYPE), self.w_gate_up.to(COMPUTE_DTYPE),
             self.w_down.to(COMPUTE_DTYPE), weights, rows, src, offs,
             precision=self.precision, backend=self.backend, wgrad=self.wgrad,
-            scale_blocks=self.scale_blocks,
+            scale_blocks=recipe,
         )
         return self._finish(out, x_flat, x)
 

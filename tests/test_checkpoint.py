@@ -59,7 +59,8 @@ def test_roundtrip_records_configuration_and_metadata(tmp_path):
     cfgs = checkpoint.read_layer_configs(path)
     assert set(cfgs) == {"layers.0", "layers.1"}
     assert cfgs["layers.1"] == {**BASE, "num_shared_experts": 0, "score_func": "softmax",
-                                "renormalize": True, "expert_shard": None}
+                                "renormalize": True, "expert_shard": None,
+                                "scale_blocks": {"requested": "auto", "resolved": "1x32"}}
     torch.manual_seed(1)
     b = Tiny()
     assert checkpoint.load_file(b, path) == ([], [])

@@ -130,7 +130,7 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, precision: str, backend: str, wgrad: str = "mxfp8",
-                 scale_blocks: str = "1x32"):
+                 scale_blocks: str = "auto"):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
@@ -163,7 +163,7 @@ class MoETransformer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, precision: str = "mxfp8", backend: str = "auto",
-                 wgrad: str = "mxfp8", scale_blocks: str = "1x32"):
+                 wgrad: str = "mxfp8", scale_blocks: str = "auto"):
         super().__init__()
         if precision not in ("mxfp8", "bf16"):
             raise ValueError(f"precision must be 'mxfp8' or 'bf16', got {precision!r}")

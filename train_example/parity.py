@@ -31,6 +31,20 @@ run). Measured on an H100 at the ``gpu`` preset (2026-11-22): two BF16 runs 5.9%
 final validation loss (0.8016 vs 0.8491), separating after step ~550 -- more than the 1%
 criterion. The summary's ``within_bf16_noise`` verdict then widens both tolerances to the
 measured BF16-vs-BF16 differences, and the exit code follows it.
+
+**The protocol** (``--seeds N``, N >= 2): BF16 and each MXFP8 recipe of ``--recipes`` (e.g.
+``1x32,1x128``; default: ``--scale-blocks``' value) are trained with seeds ``--seed`` ...
+``--seed + N - 1`` (each seed its own data order and initial weights, the same for every
+precision), into ``seed<S>/bf16/`` and ``seed<S>/mxfp8-<recipe>/``. Per recipe it reports the
+mean, standard deviation and range over the seeds of the final validation loss (as in criterion
+1) and of the EMA train loss averaged over the steps after warm-up; the paired relative
+differences to BF16 (per seed, ``(mxfp8 - bf16) / bf16``), their mean and its 95% t-interval
+(Student's t over the N paired differences). Verdict per recipe: the MXFP8 mean final loss
+within ``--final-tol`` (1%) of BF16's mean, **and** the interval includes 0 or lies within
+``+---ci-tol`` (0.5%). ``loss.png`` shows each precision's mean curve with its seeds' min-max
+band; ``loss.csv`` the bands per step; ``summary.json`` the numbers under ``protocol``. Exit code
+0 when every recipe passes. ``--only-seed S`` trains one seed's runs and stops (several processes,
+e.g. one per GPU; a later ``--resume`` without it keeps the finished runs and compares).
 """
 
 from __future__ import annotations
@@ -47,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from moe_mxfp8.backend import BACKENDS
+from moe_mxfp8.backend import AUTO, BACKENDS
 from moe_mxfp8.reference import SCALE_BLOCKS
 
 from . import train as T
@@ -81,9 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default=None,
                    help="MXFP8 run's weight-gradient GEMMs (default mxfp8)")
     p.add_argument("--scale-blocks", "--weight-blocks", dest="scale_blocks",
-                   choices=SCALE_BLOCKS, default=None,
-                   help="MXFP8 run's scale blocks: 1x32 (default, exact MXFP8), 32x32 or 1x128 "
-                        "(--weight-blocks is its older name)")
+                   choices=(AUTO, *SCALE_BLOCKS), default=None,
+                   help="MXFP8 run's scale blocks: auto (default: the GPU's recipe, 1x128 on "
+                        "Hopper, 1x32 on Blackwell and CPUs), 1x32 (exact MXFP8), 32x32 or "
+                        "1x128 (--weight-blocks is its older name)")
+    p.add_argument("--seeds", type=T.int_at_least(2), default=None,
+                   help="the protocol: train every precision with this many seeds (from --seed) "
+                        "and judge the mean and the paired differences' confidence interval")
+    p.add_argument("--recipes", type=recipe_list, default=None,
+                   help="with --seeds: comma-separated MXFP8 recipes to compare with BF16, e.g. "
+                        "1x32,1x128 (default: --scale-blocks)")
+    p.add_argument("--ci-tol", type=T.float_in(0.0), default=0.005,
+                   help="with --seeds: a 95%% interval of the paired differences that excludes "
+                        "0 must lie within +-this (default 0.005)")
+    p.add_argument("--only-seed", type=nonneg, default=None,
+                   help="with --seeds: train only this seed's runs and stop (parallel processes; "
+                        "--resume without it then compares)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
     p.add_argument("--eval-every", type=pos, default=None)
@@ -101,12 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def recipe_list(text: str) -> list[str]:
+    """argparse ``type=``: comma-separated scale-block recipes, each once."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    allowed = (AUTO, *SCALE_BLOCKS)
+    bad = [n for n in names if n not in allowed]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct recipes of {allowed} separated by commas, got {text!r}")
+    return names
+
+
 def existing_outputs(out: Path) -> list[Path]:
     """What an earlier comparison left in ``out``."""
     if not out.is_dir():
         return []
     fixed = [out / n for n in (*PRECISIONS, "loss.csv", "loss.png", "summary.json")]
-    return [p for p in fixed if p.exists()] + sorted(out.glob("bf16_repeat*"))
+    return ([p for p in fixed if p.exists()] + sorted(out.glob("bf16_repeat*"))
+            + sorted(p for p in out.glob("seed*") if p.is_dir()))
 
 
 def ema(values: list[float], beta: float) -> list[float]:
@@ -246,13 +285,19 @@ def figure(rows: list[dict], verdict: dict, title: str, repeats: list[list[dict]
 def plot(path: Path, rows: list[dict], verdict: dict, title: str,
          repeats: list[list[dict]] = ()) -> None:
     """Write `figure` to ``path``; RuntimeError (`PLOT_HINT`) without matplotlib."""
+    plot_figure(path, lambda: figure(rows, verdict, title, repeats))
+
+
+def plot_figure(path: Path, make) -> None:
+    """Write the figure ``make()`` draws to ``path``; RuntimeError (`PLOT_HINT`) without
+    matplotlib."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise RuntimeError(PLOT_HINT) from e
     import matplotlib.pyplot as plt
 
-    fig = figure(rows, verdict, title, repeats)
+    fig = make()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -308,10 +353,30 @@ def _train(common: list[str], precision: str, run_dir: Path, args, label: str) -
     return time.perf_counter() - t
 
 
+def check_protocol_args(args) -> None:
+    """The protocol's options only with ``--seeds``, and not with ``--bf16-repeat``."""
+    if args.seeds is None:
+        given = [o for o, v in (("--recipes", args.recipes), ("--only-seed", args.only_seed))
+                 if v is not None]
+        if given:
+            raise SystemExit(f"error: {given[0]} needs --seeds N (the multi-seed protocol)")
+        return
+    if args.bf16_repeat:
+        raise SystemExit("error: --bf16-repeat measures one seed's noise; the protocol (--seeds) "
+                         "measures it across seeds instead: pass one of them")
+    if args.recipes is not None and args.scale_blocks is not None:
+        raise SystemExit("error: pass --recipes or --scale-blocks with --seeds, not both")
+    if args.only_seed is not None and not args.seed <= args.only_seed < args.seed + args.seeds:
+        raise SystemExit(f"error: --only-seed {args.only_seed} is not one of the protocol's seeds "
+                         f"{args.seed}..{args.seed + args.seeds - 1}")
+    args.recipes = args.recipes or [args.scale_blocks or AUTO]
+
+
 def _main(argv: list[str]) -> int:
     global _current_run
     _current_run = "setup"
     args = build_parser().parse_args(argv)
+    check_protocol_args(args)
     out = Path(args.out)
     old = existing_outputs(out)
     if old and not (args.resume or args.overwrite):
@@ -325,8 +390,7 @@ def _main(argv: list[str]) -> int:
     common = ["--preset", args.preset, "--device", str(args.device), "--seed", str(args.seed),
               "--log-every", str(args.log_every)]
     for opt, val in (("--steps", args.steps), ("--backend", args.backend),
-                     ("--eval-every", args.eval_every), ("--wgrad", args.wgrad),
-                     ("--scale-blocks", args.scale_blocks)):
+                     ("--eval-every", args.eval_every), ("--wgrad", args.wgrad)):
         if val is not None:
             common += [opt, str(val)]
     if args.quiet:
@@ -334,6 +398,12 @@ def _main(argv: list[str]) -> int:
     if args.deterministic:
         common.append("--deterministic")
     tc = T.train_config(T.build_parser().parse_args(common + ["--out", str(out)]))
+    if args.seeds is not None:
+        from . import protocol
+
+        return protocol.run(args, common, out, tc, _train)
+    if args.scale_blocks is not None:
+        common += ["--scale-blocks", args.scale_blocks]
 
     t0 = time.perf_counter()
     logs, wall = {}, {}
@@ -358,7 +428,8 @@ def _main(argv: list[str]) -> int:
         "preset": args.preset, "steps": tc.steps, "warmup_steps": tc.warmup_steps,
         "seed": args.seed, "device": str(dev), "device_name": device_name,
         "backend": run_info["backend"], "wgrad": args.wgrad or "mxfp8",
-        "scale_blocks": args.scale_blocks or "1x32",
+        "scale_blocks": args.scale_blocks or AUTO,
+        "scale_blocks_resolved": run_info.get("scale_blocks_resolved"),
         "parameters": run_info["parameters"],
         "active_parameters": run_info["active_parameters"],
         "final_train_loss": {p: logs[p][-1]["train_loss"] for p in PRECISIONS},

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from moe_mxfp8.backend import BACKENDS, KERNEL_BACKENDS, resolve_backend
+from moe_mxfp8.backend import AUTO, BACKENDS, KERNEL_BACKENDS, resolve_backend
 from moe_mxfp8.reference import SCALE_BLOCKS
 
 from . import data as D
@@ -196,10 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default="mxfp8",
                    help="expert weight-gradient GEMMs in MXFP8 (default) or BF16 (mxfp8 only)")
     p.add_argument("--scale-blocks", "--weight-blocks", dest="scale_blocks",
-                   choices=SCALE_BLOCKS, default="1x32",
-                   help="scale blocks of the MXFP8 expert GEMMs (mxfp8 only): 1x32 (exact "
-                        "MXFP8), 32x32 (32x32 weight tiles) or 1x128 (the 1x128 recipe); "
-                        "--weight-blocks is its older name")
+                   choices=(AUTO, *SCALE_BLOCKS), default=AUTO,
+                   help="scale blocks of the MXFP8 expert GEMMs (mxfp8 only): auto (default: "
+                        "the recipe of the GPU, 1x128 on Hopper, 1x32 on Blackwell and CPUs), "
+                        "1x32 (exact MXFP8), 32x32 (32x32 weight tiles) or 1x128 (the 1x128 "
+                        "recipe); --weight-blocks is its older name")
     p.add_argument("--batch-size", type=pos, default=None)
     p.add_argument("--seq-len", type=pos, default=None)
     p.add_argument("--lr", type=float_in(0.0), default=None)
@@ -213,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the LR schedule still spans --steps")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--deterministic", action="store_true",
-                   help="PyTorch's deterministic algorithms (and cuBLAS's fixed workspace), so "
-                        "that a rerun with the same seed gives the same bits on the same GPU")
+                   help="PyTorch's deterministic algorithms, strict (attention's backward "
+                        "included), and cuBLAS's fixed workspace: a rerun with the same seed "
+                        "gives the same bits on the same GPU")
     return p
 
 
@@ -603,12 +605,18 @@ def evaluate(model, batches, device, autocast) -> float:
 
 
 def set_deterministic() -> None:
-    """Same seed, same GPU -> same bits: PyTorch's deterministic algorithms (e.g. flash
-    attention's backward without atomics) and a fixed cuBLAS workspace. MXFP8MoE's data path and
-    GEMMs are deterministic either way. ``warn_only``: an op without a deterministic version
-    warns (naming itself) instead of stopping the run."""
+    """Same seed, same GPU -> same bits: PyTorch's deterministic algorithms in their strict mode
+    and a fixed cuBLAS workspace (set before the first GEMM creates cuBLAS's). Strict, because
+    with ``warn_only=True`` flash attention's backward keeps its atomics-based dQ accumulation
+    (memory-efficient attention its split-key sums) and only warns: at the GPU preset that left
+    two same-seed BF16 runs several percent apart. Strict, both take their deterministic kernels,
+    and an op without one stops the run with an error naming it (`tools/determinism_bisect.py`
+    compares two runs' losses and gradients step by step). MXFP8MoE's data path and GEMMs are
+    deterministic either way."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
@@ -665,8 +673,10 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
     elif args.resume:
         log(f"--resume: no checkpoint in {out / CKPT_DIR}; starting from step 0")
     csv_log = CsvLog(out / "log.csv", start if args.resume else None)
+    moes = [b.moe for b in model.blocks if args.precision == "mxfp8"]
     (out / "run.json").write_text(json.dumps(
-        {**settings, "device": str(device), "parameters": total, "active_parameters": active},
+        {**settings, "device": str(device), "parameters": total, "active_parameters": active,
+         "scale_blocks_resolved": moes[0].resolved_scale_blocks() if moes else None},
         indent=2))
 
     def autocast():
