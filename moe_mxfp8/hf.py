@@ -29,6 +29,8 @@ MLPs with the routing inside the MoE block's forward; that layout is refused too
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -58,7 +60,7 @@ def is_swapped(module: nn.Module) -> bool:
     return type(module) in _SUBCLASSES.values()
 
 
-def _check_swappable(name: str, module: nn.Module) -> None:
+def _check_swappable(name: str, module: Any) -> None:  # a transformers experts module
     for flag, want in SUPPORTED_LAYOUT.items():
         got = getattr(module, flag, want)
         if got != want:
@@ -76,7 +78,7 @@ def _check_options(options: dict) -> None:
                         f"{list(OPTION_NAMES)}")
 
 
-def mxfp8_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
+def mxfp8_experts_forward(module: Any, hidden_states: torch.Tensor,
                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts call, ``(T, D), (T, k), (T, k) -> (T, D)``, with MXFP8 GEMMs."""
     num_tokens, top_k = top_k_index.shape
