@@ -82,7 +82,10 @@ def fully_shard_moe(model: nn.Module, dp_mesh=None, *, ep_dp_mesh=None, world_si
         # same order on NCCL keeps CPU and GPU runs alike.
         sharded: Any = layer  # fully_shard made it an FSDPModule in place
         sharded.set_gradient_divide_factor(float(world_size))
-        sharded.set_force_sum_reduction_for_comms(True)
+        # A one-rank ep_dp_mesh communicates nothing, and there torch (2.13) divides by the
+        # factor in its copy and again as the forced sum's post-divide: force sums only where a
+        # reduce-scatter runs.
+        sharded.set_force_sum_reduction_for_comms(ep_dp_mesh.size() > 1)
     return layers
 
 

@@ -211,7 +211,8 @@ DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 1024, 512, 8, 2, 4096
 
 
 def _step(layer, x, dy) -> dict:
-    """Forward + backward; every result on the CPU."""
+    """Forward + backward from zeroed gradients; every result on the CPU."""
+    layer.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     y = layer(x)
     y.backward(dy)
