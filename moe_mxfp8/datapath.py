@@ -431,19 +431,40 @@ def _step_table(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend: 
     return block_table(offs, m, ACT_BLOCK[scale_blocks]) if use_triton(like, backend) else None
 
 
-def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str) -> MXFP8Tensor:
-    return quantize_weights(w.contiguous(), axis=axis, block_rows=WEIGHT_BLOCK_ROWS[scale_blocks],
-                            backend=backend)
+def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str,
+               wq: list[Tensor] | None = None, which: int = 0) -> MXFP8Tensor:
+    """Expert weights ``w`` quantized along ``axis``: the pre-quantized operand ``which`` of
+    ``wq`` (``[data, scale] * n`` as uint8, `routed_experts`' ``weights_q``), else now."""
+    rows = WEIGHT_BLOCK_ROWS[scale_blocks]
+    if wq:
+        return MXFP8Tensor(wq[2 * which].view(FP8), wq[2 * which + 1], "packed", None, "experts",
+                           rows)
+    return quantize_weights(w.contiguous(), axis=axis, block_rows=rows, backend=backend)
 
 
-@define_op("moe_mxfp8::routed_experts_fwd")
+# pre-quantized weights (`routed_experts`' weights_q) travel as one optional tensor list, which
+# infer_schema cannot write
+_FWD_SCHEMA = (
+    "(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor weights, Tensor rows, Tensor src, "
+    "Tensor offs, str precision, str backend, str wgrad, str scale_blocks, bool save, "
+    "Tensor[]? wq=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_BWD_SCHEMA = (
+    "(Tensor dout, Tensor w_gate_up, Tensor w_down, Tensor weights, Tensor rows, Tensor src, "
+    "Tensor offs, Tensor sx, Tensor sx_scale, Tensor h, Tensor sa, Tensor sa_scale, Tensor y, "
+    "str precision, str backend, str wgrad, str scale_blocks, bool need_dx, bool need_dw, "
+    "bool need_dweights, Tensor[]? wq=None) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@define_op("moe_mxfp8::routed_experts_fwd", schema=_FWD_SCHEMA)
 def _routed_experts_fwd(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, save: bool,
+    wq: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(out (T, D) bf16, sx, sx_scale, h, sa, sa_scale, y)``: the saved tensors (empty
     unless ``save``): wgrad operands of x and a (FP8 bytes + scales, or BF16 as int16), h and y
-    (BF16 as int16)."""
+    (BF16 as int16). ``wq``: `routed_experts`' ``weights_q`` as uint8 (data, scale) pairs
+    (gate_up K, down K, gate_up N, down N), or None."""
     mx, qcol, keep = _modes(precision, wgrad, save)
     top_k = rows.shape[1]
     sb = scale_blocks if mx else "1x32"  # BF16 twin: nothing quantized, 32-row programs
@@ -453,12 +474,12 @@ def _routed_experts_fwd(
         # `routed_experts`; the wgrad GEMMs rely on it too)
         xr, xc, xb = dispatch(x, src, offs, top_k, qrow=True, qcol=qcol, keep_bf16=keep,
                               scale_blocks=sb, aligned_groups=True, table=tbl, backend=backend)
-        h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend), offs, out_dtype=BF16,
-                         backend=backend)
+        h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend, wq, 0), offs,
+                         out_dtype=BF16, backend=backend)
         del xr
         ar, ac, ab = swiglu(h, src, offs, qrow=True, qcol=qcol, keep_bf16=keep, scale_blocks=sb,
                             aligned_groups=True, table=tbl, backend=backend)
-        y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend), offs, out_dtype=BF16,
+        y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend, wq, 1), offs, out_dtype=BF16,
                          backend=backend)
         del ar
     else:
@@ -481,7 +502,7 @@ def _routed_experts_fwd(
 
 @_routed_experts_fwd.register_fake
 def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, precision, backend,
-                             wgrad, scale_blocks, save):
+                             wgrad, scale_blocks, save, wq=None):
     t, d = x.shape
     e, h2, _ = w_gate_up.shape
     m = src.numel()
@@ -513,15 +534,16 @@ def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, o
     return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)
 
 
-@define_op("moe_mxfp8::routed_experts_bwd")
+@define_op("moe_mxfp8::routed_experts_bwd", schema=_BWD_SCHEMA)
 def _routed_experts_bwd(
     dout: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, sx: Tensor, sx_scale: Tensor, h: Tensor, sa: Tensor, sa_scale: Tensor,
     y: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, need_dx: bool,
-    need_dw: bool, need_dweights: bool,
+    need_dw: bool, need_dweights: bool, wq: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx (T, D), dw_gate_up (E, 2H, D), dw_down (E, D, H), dweights (T, k) fp32)``;
-    an unneeded one is empty."""
+    an unneeded one is empty. ``wq``: the N-axis weights (gate_up, down) as uint8 (data,
+    scale) pairs, or None."""
     mx, qcol, _ = _modes(precision, wgrad, True)
     keep = need_dw and not qcol
     qcol = need_dw and qcol
@@ -548,8 +570,8 @@ def _routed_experts_bwd(
     e, d, hh = w_down.shape
     late = need_dw and src.numel() * d * (1 if mx and qcol else 2) < e * d * hh * 2
     if mx:
-        da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend), offs, out_dtype=BF16,
-                          backend=backend)
+        da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend, wq, 1), offs,
+                          out_dtype=BF16, backend=backend)
         del dyr
         if not late:
             if need_dw:
@@ -562,7 +584,7 @@ def _routed_experts_bwd(
         # dgrad before wgrad: dx is small, and its temporaries (the N-axis weights, the sorted
         # dX rows, dh's rowwise copy) are freed before the (E, 2H, D) weight gradient exists
         if need_dx:
-            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend), offs,
+            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend, wq, 0), offs,
                                out_dtype=BF16, backend=backend)
             dx = dispatch_backward(dxs, rows, backend=backend)
             del dxs
@@ -596,7 +618,7 @@ def _routed_experts_bwd(
 @_routed_experts_bwd.register_fake
 def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, sx, sx_scale, h,
                              sa, sa_scale, y, precision, backend, wgrad, scale_blocks, need_dx,
-                             need_dw, need_dweights):
+                             need_dw, need_dweights, wq=None):
     t, k = rows.shape
     dx = dout.new_empty(t, dout.shape[1], dtype=BF16) if need_dx else _empty(dout, BF16)
     dwgu = w_gate_up.new_empty(w_gate_up.shape, dtype=BF16) if need_dw else _empty(dout, BF16)
@@ -606,31 +628,43 @@ def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, 
     return dx, dwgu, dwdn, dwts
 
 
+N_SAVED = 12  # tensors `_setup_context` saves before the pre-quantized N-axis weights
+
+
 def _setup_context(ctx, inputs, output) -> None:
     (_, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, scale_blocks,
-     _) = inputs
+     _, *wq) = inputs
+    wq = wq[0] if wq else None
     _, sx, sxs, h, sa, sas, y = output
     ctx.cfg = (precision, backend, wgrad, scale_blocks)
+    # backward returns the inputs' structure: an omitted wq (the dispatcher drops a trailing
+    # argument equal to its default) gets no entry, a list one None per tensor
+    ctx.wq_len = None if wq is None else len(wq)
     # The saved-tensor outputs get no gradient; without this autograd would allocate and fill
     # zero "gradients" of their size at the start of backward (measured at dsv3: ~0.9 ms and
     # GiBs of peak memory).
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y)
+    # pre-quantized weights: backward reads the N-axis pairs (the second half of wq)
+    ctx.save_for_backward(w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y,
+                          *(wq[len(wq) // 2:] if wq else ()))
 
 
 def _backward(ctx, dout, *_unused):
     need_dx = ctx.needs_input_grad[0]
     need_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     need_dwts = ctx.needs_input_grad[3]
+    saved = ctx.saved_tensors
+    wq = list(saved[N_SAVED:]) or None
     dx, dwgu, dwdn, dwts = torch.ops.moe_mxfp8.routed_experts_bwd(
-        dout, *ctx.saved_tensors, *ctx.cfg, need_dx, need_dw, need_dwts)
-    return (
+        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, wq)
+    grads = (
         dx if need_dx else None,
         dwgu if ctx.needs_input_grad[1] else None,
         dwdn if ctx.needs_input_grad[2] else None,
         dwts if need_dwts else None,
         None, None, None, None, None, None, None, None,
     )
+    return grads if ctx.wq_len is None else (*grads, [None] * ctx.wq_len)
 
 
 torch.library.register_autograd(
@@ -642,6 +676,7 @@ def routed_experts(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, *, precision: str = "mxfp8", backend: str = "auto", wgrad: str = "mxfp8",
     scale_blocks: str = "1x32", weight_blocks: str | None = None,
+    weights_q: tuple[MXFP8Tensor, MXFP8Tensor, MXFP8Tensor, MXFP8Tensor] | None = None,
 ) -> Tensor:
     """The routed experts of a SwiGLU MoE layer on the layout of `route_layout`, with autograd.
 
@@ -656,6 +691,11 @@ def routed_experts(
         out[t] = sum_j w[t, j] * (silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) Wd_e^T,  e = expert of (t, j)
 
     Gradients flow to x, both weights and ``weights``.
+
+    ``weights_q`` (``precision="mxfp8"``): the expert weights already quantized with
+    ``scale_blocks``' weight tiles, ``(w_gate_up along K, w_down along K, w_gate_up along N,
+    w_down along N)`` (`moe_mxfp8.weight_cache`); they must be ``w_gate_up``'s and
+    ``w_down``'s current values (the GEMMs read them instead of quantizing the weights).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"routed_experts: precision must be one of {PRECISIONS}, "
@@ -679,9 +719,14 @@ def routed_experts(
     if rows.shape != weights.shape or rows.dim() != 2 or rows.shape[0] != x.shape[0]:
         raise ValueError(f"routed_experts: rows {tuple(rows.shape)} and weights "
                          f"{tuple(weights.shape)} must both be (T={x.shape[0]}, k)")
+    wq = None
+    if weights_q is not None:
+        if precision != "mxfp8":
+            raise ValueError("routed_experts: weights_q is for precision='mxfp8'")
+        wq = [v for t in weights_q for v in (t.data.view(torch.uint8), t.scale)]
     save = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
-        scale_blocks, save)[0]
+        scale_blocks, save, wq)[0]
     return out
