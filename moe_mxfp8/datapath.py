@@ -443,23 +443,26 @@ def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str,
 
 
 # pre-quantized weights (`routed_experts`' weights_q) travel as one optional tensor list, which
-# infer_schema cannot write
+# infer_schema cannot write; ``table``: the step's `block_table`, built once by `routed_experts`
+# for both passes (else each pass builds it: some 30 small device ops each)
 _FWD_SCHEMA = (
     "(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor weights, Tensor rows, Tensor src, "
     "Tensor offs, str precision, str backend, str wgrad, str scale_blocks, bool save, "
-    "Tensor[]? wq=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+    "Tensor[]? wq=None, Tensor? table=None) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor w_gate_up, Tensor w_down, Tensor weights, Tensor rows, Tensor src, "
     "Tensor offs, Tensor sx, Tensor sx_scale, Tensor h, Tensor sa, Tensor sa_scale, Tensor y, "
     "str precision, str backend, str wgrad, str scale_blocks, bool need_dx, bool need_dw, "
-    "bool need_dweights, Tensor[]? wq=None) -> (Tensor, Tensor, Tensor, Tensor)")
+    "bool need_dweights, Tensor[]? wq=None, Tensor? table=None) -> "
+    "(Tensor, Tensor, Tensor, Tensor)")
 
 
 @define_op("moe_mxfp8::routed_experts_fwd", schema=_FWD_SCHEMA)
 def _routed_experts_fwd(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, save: bool,
-    wq: list[Tensor] | None = None,
+    wq: list[Tensor] | None = None, table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(out (T, D) bf16, sx, sx_scale, h, sa, sa_scale, y)``: the saved tensors (empty
     unless ``save``): wgrad operands of x and a (FP8 bytes + scales, or BF16 as int16), h and y
@@ -468,7 +471,7 @@ def _routed_experts_fwd(
     mx, qcol, keep = _modes(precision, wgrad, save)
     top_k = rows.shape[1]
     sb = scale_blocks if mx else "1x32"  # BF16 twin: nothing quantized, 32-row programs
-    tbl = _step_table(x, offs, src.numel(), sb, backend)
+    tbl = _step_table(x, offs, src.numel(), sb, backend) if table is None else table
     if mx:
         # MXFP8: groups start on multiples of 16 rows (the contract of this op, see
         # `routed_experts`; the wgrad GEMMs rely on it too)
@@ -502,7 +505,7 @@ def _routed_experts_fwd(
 
 @_routed_experts_fwd.register_fake
 def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, precision, backend,
-                             wgrad, scale_blocks, save, wq=None):
+                             wgrad, scale_blocks, save, wq=None, table=None):
     t, d = x.shape
     e, h2, _ = w_gate_up.shape
     m = src.numel()
@@ -540,6 +543,7 @@ def _routed_experts_bwd(
     offs: Tensor, sx: Tensor, sx_scale: Tensor, h: Tensor, sa: Tensor, sa_scale: Tensor,
     y: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, need_dx: bool,
     need_dw: bool, need_dweights: bool, wq: list[Tensor] | None = None,
+    table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx (T, D), dw_gate_up (E, 2H, D), dw_down (E, D, H), dweights (T, k) fp32)``;
     an unneeded one is empty. ``wq``: the N-axis weights (gate_up, down) as uint8 (data,
@@ -555,7 +559,7 @@ def _routed_experts_bwd(
     dwdn = _empty(dout, BF16)
     chain = need_dx or need_dw
     sb = scale_blocks if mx else "1x32"
-    tbl = _step_table(dout, offs, src.numel(), sb, backend)
+    tbl = _step_table(dout, offs, src.numel(), sb, backend) if table is None else table
     dyr, dyc, dyb, dwts = combine_backward(
         dout, y, src, rows, weights, offs, qrow=mx and chain, qcol=qcol,
         keep_bf16=(not mx and chain) or keep, need_dw=need_dweights, scale_blocks=sb,
@@ -618,7 +622,7 @@ def _routed_experts_bwd(
 @_routed_experts_bwd.register_fake
 def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, sx, sx_scale, h,
                              sa, sa_scale, y, precision, backend, wgrad, scale_blocks, need_dx,
-                             need_dw, need_dweights, wq=None):
+                             need_dw, need_dweights, wq=None, table=None):
     t, k = rows.shape
     dx = dout.new_empty(t, dout.shape[1], dtype=BF16) if need_dx else _empty(dout, BF16)
     dwgu = w_gate_up.new_empty(w_gate_up.shape, dtype=BF16) if need_dw else _empty(dout, BF16)
@@ -628,25 +632,32 @@ def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, 
     return dx, dwgu, dwdn, dwts
 
 
-N_SAVED = 12  # tensors `_setup_context` saves before the pre-quantized N-axis weights
+N_SAVED = 12  # tensors `_setup_context` saves before the optional ones (wq's N half, table)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (_, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, scale_blocks,
-     _, *wq) = inputs
-    wq = wq[0] if wq else None
+     _, *extra) = inputs
+    wq, table = (*extra, None, None)[:2]
     _, sx, sxs, h, sa, sas, y = output
     ctx.cfg = (precision, backend, wgrad, scale_blocks)
-    # backward returns the inputs' structure: an omitted wq (the dispatcher drops a trailing
-    # argument equal to its default) gets no entry, a list one None per tensor
-    ctx.wq_len = None if wq is None else len(wq)
+    # backward returns the structure of the arguments autograd saw: the dispatcher drops the
+    # trailing ones equal to their default (None; `inputs` has them filled in), and a tensor
+    # list takes one None per tensor
+    while extra and extra[-1] is None:
+        extra.pop()
+    ctx.extra_grads = [None if t is None or isinstance(t, torch.Tensor) else [None] * len(t)
+                       for t in extra]
     # The saved-tensor outputs get no gradient; without this autograd would allocate and fill
     # zero "gradients" of their size at the start of backward (measured at dsv3: ~0.9 ms and
     # GiBs of peak memory).
     ctx.set_materialize_grads(False)
     # pre-quantized weights: backward reads the N-axis pairs (the second half of wq)
+    wq_n = wq[len(wq) // 2:] if wq else []
+    ctx.n_wq = len(wq_n)
+    ctx.has_table = table is not None
     ctx.save_for_backward(w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y,
-                          *(wq[len(wq) // 2:] if wq else ()))
+                          *wq_n, *([table] if ctx.has_table else []))
 
 
 def _backward(ctx, dout, *_unused):
@@ -654,17 +665,18 @@ def _backward(ctx, dout, *_unused):
     need_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     need_dwts = ctx.needs_input_grad[3]
     saved = ctx.saved_tensors
-    wq = list(saved[N_SAVED:]) or None
+    wq = list(saved[N_SAVED:N_SAVED + ctx.n_wq]) or None
+    table = saved[-1] if ctx.has_table else None
     dx, dwgu, dwdn, dwts = torch.ops.moe_mxfp8.routed_experts_bwd(
-        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, wq)
-    grads = (
+        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, wq, table)
+    return (
         dx if need_dx else None,
         dwgu if ctx.needs_input_grad[1] else None,
         dwdn if ctx.needs_input_grad[2] else None,
         dwts if need_dwts else None,
         None, None, None, None, None, None, None, None,
+        *ctx.extra_grads,
     )
-    return grads if ctx.wq_len is None else (*grads, [None] * ctx.wq_len)
 
 
 torch.library.register_autograd(
@@ -726,7 +738,10 @@ def routed_experts(
         wq = [v for t in weights_q for v in (t.data.view(torch.uint8), t.scale)]
     save = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
+    # the row kernels' block table, once for forward and backward (None: the references run)
+    table = _step_table(x, offs, src.numel(), scale_blocks if precision == "mxfp8" else "1x32",
+                        backend)
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
-        scale_blocks, save, wq)[0]
+        scale_blocks, save, wq, table)[0]
     return out

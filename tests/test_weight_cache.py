@@ -278,3 +278,27 @@ def test_gpu_graph_capture_does_not_bake_the_cache():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, plain(x))
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_block_table_is_built_once_per_step(monkeypatch, cache):
+    """`routed_experts` builds the row kernels' block table once and backward reuses the
+    forward's (each pass builds its own only when none is passed in), with and without
+    pre-quantized weights (the op's two optional inputs)."""
+    built = []
+    table = torch.arange(12, dtype=torch.int32).reshape(2, 6)
+
+    def step_table(like, offs, m, scale_blocks, backend):
+        built.append(scale_blocks)
+        return table
+
+    monkeypatch.setattr(DP, "_step_table", step_table)
+    cached, plain = _pair()
+    m = cached if cache else plain
+    (x, dy), = _inputs(1)
+    y, dx = _step(m, x, dy)
+    assert built == ["1x32"]
+    monkeypatch.undo()
+    other = cached if not cache else plain
+    y0, dx0 = _step(other, x, dy)
+    assert torch.equal(y, y0) and torch.equal(dx, dx0)
