@@ -7,9 +7,11 @@ Runs `MXFP8MoE` forward + backward (both recipes and the BF16 twin) through exac
 GPU runs -- the Triton host wrappers of the data path (`kernels.datapath_triton`, imported
 against a stand-in ``triton`` whose kernels launch nothing), the quantizer and grouped GEMM
 launchers with their ctypes argument packing (`native.NativeKernel.__call__`, the C entry a
-no-op), the backend choice, the operand checks, the custom ops and autograd -- on CPU tensors
-of the shape's widths (D, H, E, k) and a few tokens, so that the torch ops' own CPU compute
-stays small. ``torch._grouped_mm`` (the twin's GEMMs) returns an empty output.
+no-op), the backend choice (``"auto"``, the GPU's answer stubbed), the operand checks, the
+custom ops and autograd -- on CPU tensors of the shape's widths (D, H, E, k) and a few tokens,
+so that the torch ops' own CPU compute stays small (it still grows with the padded row count:
+the 1x128 recipe pads every group to 128 rows). ``torch._grouped_mm`` (the twin's GEMMs)
+returns an empty output.
 
 Prints the host milliseconds per step, the count of torch (aten) ops per step (on a GPU each
 is a kernel launch or an allocation, a few microseconds of host time each) and, with
@@ -97,9 +99,8 @@ def gpu_host_path():
     from moe_mxfp8.kernels import native, quantize_launch
     from moe_mxfp8.kernels.grouped_gemm import launcher
 
+    from moe_mxfp8 import backend as B
     from moe_mxfp8 import datapath as DP
-    from moe_mxfp8 import grouped_gemm as G
-    from moe_mxfp8 import quantize as Q
 
     dpt = _datapath_triton()
     kern = _native_noop()
@@ -107,8 +108,7 @@ def gpu_host_path():
     patches = [
         (DP, "use_triton", lambda t, backend: backend != "reference"),
         (DP, "_triton_kernels", lambda: dpt),
-        (G, "resolve_backend", lambda backend, device: "sm90"),
-        (Q, "resolve_backend", lambda backend, device: "sm90"),
+        (B, "kernel_backend_for", lambda device: "sm90"),  # backend="auto" resolves to sm90
         (quantize_launch, "compile_quantizer", lambda op, config, arch=None: kern),
         (quantize_launch, "current_stream", lambda: stream),
         (launcher, "compile_config", lambda cls, config, options=None, stream=None: kern),
@@ -168,7 +168,7 @@ def make_layers(shape: str, recipes: list[str]):
     torch.manual_seed(0)
     layers = {"bf16": MXFP8MoE(d, h, e, k, precision="bf16")}
     for r in recipes:
-        m = MXFP8MoE(d, h, e, k, scale_blocks=r, backend="sm90")
+        m = MXFP8MoE(d, h, e, k, scale_blocks=r)  # backend "auto", resolved as on a GPU
         m.load_state_dict(layers["bf16"].state_dict())
         layers[f"mxfp8 {r}"] = m
     return layers
