@@ -55,6 +55,7 @@ from .quantize import (  # noqa: E402
     quantize_dual,
     quantize_rowwise,
     quantize_weights,
+    quantize_weights_dual,
 )
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "quantize_dual",
     "quantize_rowwise",
     "quantize_weights",
+    "quantize_weights_dual",
     "reference",
     "resolve_backend",
 ]
