@@ -291,10 +291,12 @@ def fresh_memory(*modules) -> None:
     """The same starting point for every peak-memory number: no parameter gradients and no
     router graph (``aux_loss``) left by the other precision's or an earlier step, garbage
     collected, peak counter reset. (Without it the second precision's peak included the first
-    one's weight gradients: +1.2 GiB at qwen3, +2.6 GiB at mixtral, against MXFP8.)"""
+    one's weight gradients: +1.2 GiB at qwen3, +2.6 GiB at mixtral, against MXFP8.) No layer
+    keeps a weight cache either."""
     for m in modules:
         m.zero_grad(set_to_none=True)
         m.aux_loss = None
+        m.invalidate_weight_cache()  # another layer's cached FP8 weights are not this one's
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
