@@ -432,42 +432,34 @@ def _step_table(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend: 
 
 
 def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str,
-               wq: list[Tensor] | None = None, which: int = 0) -> MXFP8Tensor:
-    """Expert weights ``w`` quantized along ``axis``: the pre-quantized operand ``which`` of
-    ``wq`` (``[data, scale] * n`` as uint8, `routed_experts`' ``weights_q``), else now."""
+               data: Tensor | None = None, scale: Tensor | None = None) -> MXFP8Tensor:
+    """Expert weights ``w`` quantized along ``axis``: the pre-quantized ``data`` (uint8) and
+    ``scale`` given (`routed_experts`' ``weights_q``), else quantized now."""
     rows = WEIGHT_BLOCK_ROWS[scale_blocks]
-    if wq:
-        return MXFP8Tensor(wq[2 * which].view(FP8), wq[2 * which + 1], "packed", None, "experts",
-                           rows)
+    if data is not None:
+        return MXFP8Tensor(data.view(FP8), scale, "packed", None, "experts", rows)
     return quantize_weights(w.contiguous(), axis=axis, block_rows=rows, backend=backend)
 
 
-# pre-quantized weights (`routed_experts`' weights_q) travel as one optional tensor list, which
-# infer_schema cannot write; ``table``: the step's `block_table`, built once by `routed_experts`
-# for both passes (else each pass builds it: some 30 small device ops each)
-_FWD_SCHEMA = (
-    "(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor weights, Tensor rows, Tensor src, "
-    "Tensor offs, str precision, str backend, str wgrad, str scale_blocks, bool save, "
-    "Tensor[]? wq=None, Tensor? table=None) -> "
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-_BWD_SCHEMA = (
-    "(Tensor dout, Tensor w_gate_up, Tensor w_down, Tensor weights, Tensor rows, Tensor src, "
-    "Tensor offs, Tensor sx, Tensor sx_scale, Tensor h, Tensor sa, Tensor sa_scale, Tensor y, "
-    "str precision, str backend, str wgrad, str scale_blocks, bool need_dx, bool need_dw, "
-    "bool need_dweights, Tensor[]? wq=None, Tensor? table=None) -> "
-    "(Tensor, Tensor, Tensor, Tensor)")
+# The ops' optional trailing inputs (plain optional tensors: a tensor list would route every call
+# through torch.library's pytree wrapper). ``table``: the step's `block_table`, built once by
+# `routed_experts` for both passes (else each pass builds it: some 30 small device ops each);
+# ``gu_k ... dn_n_scale``: `routed_experts`' ``weights_q`` as uint8 data and scales, gate_up
+# (gu) and down (dn) along K (forward) and along N (kept for backward).
 
 
-@define_op("moe_mxfp8::routed_experts_fwd", schema=_FWD_SCHEMA)
+@define_op("moe_mxfp8::routed_experts_fwd")
 def _routed_experts_fwd(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, save: bool,
-    wq: list[Tensor] | None = None, table: Tensor | None = None,
+    table: Tensor | None = None, gu_k: Tensor | None = None, gu_k_scale: Tensor | None = None,
+    dn_k: Tensor | None = None, dn_k_scale: Tensor | None = None,
+    gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
+    dn_n: Tensor | None = None, dn_n_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(out (T, D) bf16, sx, sx_scale, h, sa, sa_scale, y)``: the saved tensors (empty
     unless ``save``): wgrad operands of x and a (FP8 bytes + scales, or BF16 as int16), h and y
-    (BF16 as int16). ``wq``: `routed_experts`' ``weights_q`` as uint8 (data, scale) pairs
-    (gate_up K, down K, gate_up N, down N), or None."""
+    (BF16 as int16). The optional inputs: see above (the N-axis weights are for backward)."""
     mx, qcol, keep = _modes(precision, wgrad, save)
     top_k = rows.shape[1]
     sb = scale_blocks if mx else "1x32"  # BF16 twin: nothing quantized, 32-row programs
@@ -477,13 +469,13 @@ def _routed_experts_fwd(
         # `routed_experts`; the wgrad GEMMs rely on it too)
         xr, xc, xb = dispatch(x, src, offs, top_k, qrow=True, qcol=qcol, keep_bf16=keep,
                               scale_blocks=sb, aligned_groups=True, table=tbl, backend=backend)
-        h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend, wq, 0), offs,
+        h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend, gu_k, gu_k_scale), offs,
                          out_dtype=BF16, backend=backend)
         del xr
         ar, ac, ab = swiglu(h, src, offs, qrow=True, qcol=qcol, keep_bf16=keep, scale_blocks=sb,
                             aligned_groups=True, table=tbl, backend=backend)
-        y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend, wq, 1), offs, out_dtype=BF16,
-                         backend=backend)
+        y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend, dn_k, dn_k_scale), offs,
+                         out_dtype=BF16, backend=backend)
         del ar
     else:
         _, _, xb = dispatch(x, src, offs, top_k, qrow=False, qcol=False, keep_bf16=True,
@@ -505,7 +497,9 @@ def _routed_experts_fwd(
 
 @_routed_experts_fwd.register_fake
 def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, precision, backend,
-                             wgrad, scale_blocks, save, wq=None, table=None):
+                             wgrad, scale_blocks, save, table=None, gu_k=None, gu_k_scale=None,
+                             dn_k=None, dn_k_scale=None, gu_n=None, gu_n_scale=None, dn_n=None,
+                             dn_n_scale=None):
     t, d = x.shape
     e, h2, _ = w_gate_up.shape
     m = src.numel()
@@ -537,17 +531,18 @@ def _weight_grad(dyc: Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, o
     return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)
 
 
-@define_op("moe_mxfp8::routed_experts_bwd", schema=_BWD_SCHEMA)
+@define_op("moe_mxfp8::routed_experts_bwd")
 def _routed_experts_bwd(
     dout: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, sx: Tensor, sx_scale: Tensor, h: Tensor, sa: Tensor, sa_scale: Tensor,
     y: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, need_dx: bool,
-    need_dw: bool, need_dweights: bool, wq: list[Tensor] | None = None,
-    table: Tensor | None = None,
+    need_dw: bool, need_dweights: bool, table: Tensor | None = None,
+    gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
+    dn_n: Tensor | None = None, dn_n_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx (T, D), dw_gate_up (E, 2H, D), dw_down (E, D, H), dweights (T, k) fp32)``;
-    an unneeded one is empty. ``wq``: the N-axis weights (gate_up, down) as uint8 (data,
-    scale) pairs, or None."""
+    an unneeded one is empty. The optional inputs: the step's block table and the forward's
+    N-axis weights (see `_routed_experts_fwd`)."""
     mx, qcol, _ = _modes(precision, wgrad, True)
     keep = need_dw and not qcol
     qcol = need_dw and qcol
@@ -574,7 +569,7 @@ def _routed_experts_bwd(
     e, d, hh = w_down.shape
     late = need_dw and src.numel() * d * (1 if mx and qcol else 2) < e * d * hh * 2
     if mx:
-        da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend, wq, 1), offs,
+        da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend, dn_n, dn_n_scale), offs,
                           out_dtype=BF16, backend=backend)
         del dyr
         if not late:
@@ -588,8 +583,8 @@ def _routed_experts_bwd(
         # dgrad before wgrad: dx is small, and its temporaries (the N-axis weights, the sorted
         # dX rows, dh's rowwise copy) are freed before the (E, 2H, D) weight gradient exists
         if need_dx:
-            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend, wq, 0), offs,
-                               out_dtype=BF16, backend=backend)
+            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend, gu_n, gu_n_scale),
+                               offs, out_dtype=BF16, backend=backend)
             dx = dispatch_backward(dxs, rows, backend=backend)
             del dxs
         del dhr
@@ -622,7 +617,8 @@ def _routed_experts_bwd(
 @_routed_experts_bwd.register_fake
 def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, sx, sx_scale, h,
                              sa, sa_scale, y, precision, backend, wgrad, scale_blocks, need_dx,
-                             need_dw, need_dweights, wq=None, table=None):
+                             need_dw, need_dweights, table=None, gu_n=None, gu_n_scale=None,
+                             dn_n=None, dn_n_scale=None):
     t, k = rows.shape
     dx = dout.new_empty(t, dout.shape[1], dtype=BF16) if need_dx else _empty(dout, BF16)
     dwgu = w_gate_up.new_empty(w_gate_up.shape, dtype=BF16) if need_dw else _empty(dout, BF16)
@@ -632,32 +628,29 @@ def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, 
     return dx, dwgu, dwdn, dwts
 
 
-N_SAVED = 12  # tensors `_setup_context` saves before the optional ones (wq's N half, table)
+N_SAVED = 12  # tensors `_setup_context` saves before the optional ones (N-axis weights, table)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (_, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, scale_blocks,
      _, *extra) = inputs
-    wq, table = (*extra, None, None)[:2]
+    table, _, _, _, _, *weights_n = (*extra, *[None] * (9 - len(extra)))
     _, sx, sxs, h, sa, sas, y = output
     ctx.cfg = (precision, backend, wgrad, scale_blocks)
-    # backward returns the structure of the arguments autograd saw: the dispatcher drops the
-    # trailing ones equal to their default (None; `inputs` has them filled in), and a tensor
-    # list takes one None per tensor
+    # backward returns one entry per argument autograd saw: the dispatcher drops the trailing
+    # ones equal to their default (None; `inputs` has them filled in)
     while extra and extra[-1] is None:
         extra.pop()
-    ctx.extra_grads = [None if t is None or isinstance(t, torch.Tensor) else [None] * len(t)
-                       for t in extra]
+    ctx.n_extra = len(extra)
     # The saved-tensor outputs get no gradient; without this autograd would allocate and fill
     # zero "gradients" of their size at the start of backward (measured at dsv3: ~0.9 ms and
     # GiBs of peak memory).
     ctx.set_materialize_grads(False)
-    # pre-quantized weights: backward reads the N-axis pairs (the second half of wq)
-    wq_n = wq[len(wq) // 2:] if wq else []
-    ctx.n_wq = len(wq_n)
+    weights_n = [t for t in weights_n if t is not None]  # pre-quantized: backward's operands
+    ctx.n_weights_n = len(weights_n)
     ctx.has_table = table is not None
     ctx.save_for_backward(w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y,
-                          *wq_n, *([table] if ctx.has_table else []))
+                          *weights_n, *([table] if ctx.has_table else []))
 
 
 def _backward(ctx, dout, *_unused):
@@ -665,17 +658,17 @@ def _backward(ctx, dout, *_unused):
     need_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     need_dwts = ctx.needs_input_grad[3]
     saved = ctx.saved_tensors
-    wq = list(saved[N_SAVED:N_SAVED + ctx.n_wq]) or None
+    weights_n = saved[N_SAVED:N_SAVED + ctx.n_weights_n]
     table = saved[-1] if ctx.has_table else None
     dx, dwgu, dwdn, dwts = torch.ops.moe_mxfp8.routed_experts_bwd(
-        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, wq, table)
+        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, table, *weights_n)
     return (
         dx if need_dx else None,
         dwgu if ctx.needs_input_grad[1] else None,
         dwdn if ctx.needs_input_grad[2] else None,
         dwts if need_dwts else None,
         None, None, None, None, None, None, None, None,
-        *ctx.extra_grads,
+        *[None] * ctx.n_extra,
     )
 
 
@@ -731,11 +724,11 @@ def routed_experts(
     if rows.shape != weights.shape or rows.dim() != 2 or rows.shape[0] != x.shape[0]:
         raise ValueError(f"routed_experts: rows {tuple(rows.shape)} and weights "
                          f"{tuple(weights.shape)} must both be (T={x.shape[0]}, k)")
-    wq = None
+    wq = ()
     if weights_q is not None:
         if precision != "mxfp8":
             raise ValueError("routed_experts: weights_q is for precision='mxfp8'")
-        wq = [v for t in weights_q for v in (t.data.view(torch.uint8), t.scale)]
+        wq = tuple(v for t in weights_q for v in (t.data.view(torch.uint8), t.scale))
     save = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
     # the row kernels' block table, once for forward and backward (None: the references run)
@@ -743,5 +736,5 @@ def routed_experts(
                         backend)
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
-        scale_blocks, save, wq, table)[0]
+        scale_blocks, save, table, *wq)[0]
     return out

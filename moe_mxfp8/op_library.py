@@ -37,18 +37,14 @@ class OpDef:
         return fn
 
 
-def define_op(qualname: str, *, mutates_args: tuple = (),
-              schema: str | None = None) -> Callable[[Callable], OpDef]:
-    """Decorator: ``@define_op("moe_mxfp8::name")`` over a type-annotated function.
-
-    ``schema``: the argument list and returns written out, for what ``infer_schema`` cannot
-    infer (an optional tensor list, ``Tensor[]? name=None``); else inferred."""
+def define_op(qualname: str, *, mutates_args: tuple = ()) -> Callable[[Callable], OpDef]:
+    """Decorator: ``@define_op("moe_mxfp8::name")`` over a type-annotated function."""
     ns, name = qualname.split("::")
     if ns != NAMESPACE:
         raise ValueError(f"operators live in the {NAMESPACE!r} namespace, got {qualname!r}")
 
     def wrap(fn: Callable) -> OpDef:
-        _LIB.define(name + (schema or torch.library.infer_schema(fn, mutates_args=mutates_args)))
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
 
         @functools.wraps(fn)
         def impl(*args, **kwargs):

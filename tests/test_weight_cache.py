@@ -302,3 +302,33 @@ def test_block_table_is_built_once_per_step(monkeypatch, cache):
     other = cached if not cache else plain
     y0, dx0 = _step(other, x, dy)
     assert torch.equal(y, y0) and torch.equal(dx, dx0)
+
+
+def test_opcheck_with_the_optional_inputs():
+    """The routed-expert ops with a block table and pre-quantized weights: schema, fake
+    implementation and autograd registration (`torch.library.opcheck`)."""
+    g = torch.Generator().manual_seed(0)
+    t, k, hh = 24, 2, 32
+    ids = torch.randint(0, E, (t, k), generator=g)
+    counts = torch.zeros(E, dtype=torch.int64).scatter_add(0, ids.flatten(),
+                                                          torch.ones(t * k, dtype=torch.int64))
+    rows, src, offs = DP.route_layout(ids, counts, 16)
+    x = torch.randn(t, D, generator=g).to(BF16).requires_grad_()
+    w_gu = torch.randn(E, 2 * hh, D, generator=g).to(BF16).requires_grad_()
+    w_dn = torch.randn(E, D, hh, generator=g).to(BF16).requires_grad_()
+    weights = torch.rand(t, k, generator=g).requires_grad_()
+    pairs = [WC.quantize_weights_dual(w.detach(), backend="reference") for w in (w_gu, w_dn)]
+    wq = [v for q in (pairs[0][0], pairs[1][0], pairs[0][1], pairs[1][1])
+          for v in (q.data.view(torch.uint8), q.scale)]
+    table = DP.block_table(offs, src.numel(), 32)
+    args = (x, w_gu, w_dn, weights, rows, src, offs, "mxfp8", "reference", "mxfp8", "1x32", True,
+            table, *wq)
+    torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
+    out = torch.ops.moe_mxfp8.routed_experts_fwd(*[a.detach() if i < 4 else a
+                                                   for i, a in enumerate(args)])
+    bargs = (torch.randn_like(out[0]), *args[1:7], *out[1:], "mxfp8", "reference", "mxfp8",
+             "1x32", True, True, True, table, *wq[4:])
+    torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_bwd.default, bargs,
+                          test_utils=("test_schema", "test_faketensor"))
