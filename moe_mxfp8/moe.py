@@ -383,6 +383,8 @@ class MXFP8MoE(nn.Module):
         """The cached `routed_experts` ``weights_q`` of this forward, or None (no cache)."""
         if not (self.cache_weights and self.precision == "mxfp8" and WC.usable(x)):
             return None
+        if self.w_gate_up.is_inference():  # made under torch.inference_mode: no version counter
+            return None
         if self._weight_cache is None:
             self._weight_cache = WC.WeightCache()
         get = self._weight_cache.get

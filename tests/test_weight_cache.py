@@ -332,3 +332,11 @@ def test_opcheck_with_the_optional_inputs():
              "1x32", True, True, True, table, *wq[4:])
     torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_bwd.default, bargs,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_layer_made_in_inference_mode_runs_uncached(counts):
+    """Parameters made under ``torch.inference_mode`` have no version counter: no cache."""
+    with torch.inference_mode():
+        m = MXFP8MoE(D, H, E, K, backend="reference", cache_weights=True)
+        m(torch.randn(T, D).to(BF16))
+    assert counts["dual"] == 0 and counts["single"] == 2
