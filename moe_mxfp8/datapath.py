@@ -37,9 +37,10 @@ static, so it is CUDA-graph capturable). It saves for backward only what backwar
 FP8 columnwise copies of the dispatched ``x`` and of ``a`` (wgrad operands), ``h`` (BF16, for
 the SwiGLU backward) and ``y`` (BF16, for the routing-weight gradient); with BF16 weight
 gradients (``wgrad="bf16"`` or the BF16 twin) BF16 copies of ``x`` and ``a`` instead. The expert
-weights are quantized once per step along each axis the GEMMs need (along K in forward, along N
-in backward). The expert GEMMs are `moe_mxfp8.grouped_gemm.grouped_mm_m` / ``grouped_mm_k``
-(MXFP8) or ``torch._grouped_mm`` (BF16 twin).
+weights are quantized along each axis the GEMMs need (along K in forward, along N in backward),
+or come quantized already (``weights_q``: `moe_mxfp8.weight_cache`, once per optimizer step).
+The expert GEMMs are `moe_mxfp8.grouped_gemm.grouped_mm_m` / ``grouped_mm_k`` (MXFP8) or
+``torch._grouped_mm`` (BF16 twin).
 """
 
 from __future__ import annotations
