@@ -10,14 +10,26 @@ where the path is capturable, CUDA events, warm-up, medians, rotating inputs (co
 Prints a table (ms, TFLOP/s counting the expert-GEMM FLOPs, speedup over BF16, peak memory, bytes
 saved for backward per token) and, for both precisions, a breakdown of the forward+backward step
 by phase from the torch profiler's CUDA kernels, with the time outside the expert GEMMs.
+
+``--host-time``: the host time of one forward+backward per layer, launched while the GPU is kept
+busy ahead of it (`host_time`), so the number is the CPU's alone; ``--host-profile N`` adds the
+top N functions of a cProfile of those launches. ``--cache-weights 0,1`` measures the MXFP8
+layers without and with ``cache_weights=True``; ``--accumulate N`` makes a step N micro-batches
+(gradient accumulation) after an optimizer-step boundary (the weight cache is dropped at its
+start, as an optimizer step drops it).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import re
+import statistics
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -50,6 +62,8 @@ SHAPES = {
     "dsv3": LayerShape("dsv3", 8, 131072, 7168, 2048, 2),
     "qwen3": LayerShape("qwen3", 128, 131072, 2048, 768, 8),
     "mixtral": LayerShape("mixtral", 8, 32768, 4096, 14336, 2),
+    # many small experts and few tokens: a step short enough for the host to be the limit
+    "small": LayerShape("small", 64, 4096 * 4, 1024, 512, 4),
 }
 
 
@@ -117,6 +131,62 @@ def phase_breakdown(fn, steps: int = 3) -> tuple[dict[str, float], list[tuple[st
         kernels.append((f"[{phase}] {ev.key[:110]}", t / 1e3 / steps))
     out["outside expert gemm"] = sum(v for k, v in out.items() if k != "expert gemm")
     return dict(out), sorted(kernels, key=lambda kv: -kv[1])[:14]
+
+
+def _gpu_sleep_cycles(ms: float) -> int:
+    """Cycles of ``torch.cuda._sleep`` that keep the GPU busy for about ``ms`` (measured)."""
+    probe = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * ms / max(start.elapsed_time(end), 1e-3))
+
+
+def host_time(step, reps: int = 7, profile_top: int = 0) -> dict:
+    """Host time of one ``step()`` while the GPU is busy ahead of it: a long GPU sleep is
+    queued first, so no launch waits for the GPU and the time is the CPU's (Python, torch
+    dispatch, custom ops, Triton's and the ctypes launchers, the driver's launch calls).
+    ``wall_ms``: median wall time of the launching thread (autograd's backward runs on its
+    device thread; the caller waits for it); ``cpu_ms``: median CPU time of the process (every
+    thread); ``gpu_busy``: the sleep was still running when every step's launches had
+    returned (else the sleep was too short and a launch may have waited). ``profile_top``:
+    also a cProfile of the launches (backward in the calling thread for it), top functions
+    by own time."""
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    rough_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    cycles = _gpu_sleep_cycles(3 * rough_ms + 50)
+    wall, cpu, busy = [], [], True
+    for _ in range(reps):
+        torch.cuda._sleep(cycles)
+        sleeping = torch.cuda.Event()
+        sleeping.record()
+        c0, t0 = time.process_time(), time.perf_counter()
+        step()
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+        busy = busy and not sleeping.query()
+        torch.cuda.synchronize()
+    res = {"wall_ms": statistics.median(wall), "cpu_ms": statistics.median(cpu),
+           "gpu_busy": busy}
+    if profile_top:
+        prof = cProfile.Profile()
+        with torch.autograd.set_multithreading_enabled(False):
+            for _ in range(3):
+                torch.cuda._sleep(cycles)
+                prof.enable()
+                step()
+                prof.disable()
+                torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile_top)
+        res["profile"] = out.getvalue()
+    return res
 
 
 def saved_bytes(module, x) -> int:
@@ -221,10 +291,12 @@ def fresh_memory(*modules) -> None:
     """The same starting point for every peak-memory number: no parameter gradients and no
     router graph (``aux_loss``) left by the other precision's or an earlier step, garbage
     collected, peak counter reset. (Without it the second precision's peak included the first
-    one's weight gradients: +1.2 GiB at qwen3, +2.6 GiB at mixtral, against MXFP8.)"""
+    one's weight gradients: +1.2 GiB at qwen3, +2.6 GiB at mixtral, against MXFP8.) No layer
+    keeps a weight cache either."""
     for m in modules:
         m.zero_grad(set_to_none=True)
         m.aux_loss = None
+        m.invalidate_weight_cache()  # another layer's cached FP8 weights are not this one's
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -239,13 +311,14 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
                     device="cuda")
     models = {"bf16": bf16}
     for recipe in args.scale_blocks.split(",") if args.scale_blocks else [None]:
-        extra = {"scale_blocks": recipe} if recipe else {}
-        mx = MXFP8MoE(shape.dim, shape.hidden, shape.num_experts, shape.top_k,
-                      precision="mxfp8", backend=args.backend, device="cuda",
-                      save_colwise=bool(args.save_colwise), weight_blocks=args.weight_blocks,
-                      wgrad=args.wgrad, **extra)
-        mx.load_state_dict(bf16.state_dict())
-        models[f"mxfp8 {mx.resolved_scale_blocks()}"] = mx
+        for cache in map(int, args.cache_weights.split(",")):
+            extra = {"scale_blocks": recipe} if recipe else {}
+            mx = MXFP8MoE(shape.dim, shape.hidden, shape.num_experts, shape.top_k,
+                          precision="mxfp8", backend=args.backend, device="cuda",
+                          save_colwise=bool(args.save_colwise), weight_blocks=args.weight_blocks,
+                          wgrad=args.wgrad, cache_weights=bool(cache), **extra)
+            mx.load_state_dict(bf16.state_dict())
+            models[f"mxfp8 {mx.resolved_scale_blocks()}" + (" cached" if cache else "")] = mx
     for m in models.values():
         impose_routing(m, ids, weights)
     xs = Rotating([torch.randn(shape.tokens, shape.dim, device="cuda", dtype=torch.bfloat16)
@@ -263,23 +336,35 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
         res = {}
         for name, m in models.items():
             def step(m=m, backward=backward):
-                x = xs.next()
+                # an optimizer step's boundary: the weight cache starts empty, as after a step
+                m.invalidate_weight_cache()
                 if backward:
                     # a training step: fresh gradients (optimizer.zero_grad(set_to_none=True)),
                     # no accumulation into the last step's (an add per weight that is no part
-                    # of the layer's cost)
-                    x.grad = None
+                    # of the layer's cost); --accumulate micro-batches accumulate into them
                     m.zero_grad(set_to_none=True)
-                    m(x).backward(dy)
+                    for _ in range(args.accumulate):
+                        x = xs.next()
+                        x.grad = None
+                        m(x).backward(dy)
                 else:
-                    with torch.no_grad():
-                        m(x)
+                    for _ in range(args.accumulate):
+                        with torch.no_grad():
+                            m(xs.next())
 
             fresh_memory(*models.values())
             us = bench_us(step, warmup=2, reps=args.reps, rounds=3, use_graph=args.graphs)
             res[name] = (us, torch.cuda.max_memory_allocated() / 2**30)
             if backward and args.breakdown:
                 res[name + "_breakdown"] = phase_breakdown(step)
+            if backward and args.host_time:
+                res[name + "_host"] = host_time(step, profile_top=args.host_profile)
+                h = res[name + "_host"]
+                print(f"  host {shape.name} {name}: {h['wall_ms']:.2f} ms wall, {h['cpu_ms']:.2f} "
+                      f"ms CPU per step of {args.accumulate} fwd+bwd (GPU busy throughout: "
+                      f"{h['gpu_busy']})", flush=True)
+                if "profile" in h:
+                    print(h.pop("profile"))
         flops = shape.gemm_flops(backward)
         for name, mx in models.items():
             if name == "bf16":
@@ -296,15 +381,19 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
                 "bf16_peak_gib": res["bf16"][1], "mxfp8_peak_gib": res[name][1],
                 "bf16_saved_bytes_per_token": saved["bf16"],
                 "mxfp8_saved_bytes_per_token": saved[name],
+                "cache_weights": mx.cache_weights, "accumulate": args.accumulate,
+                "mxfp8_weight_cache_gib": mx.weight_cache_bytes() / 2**30,
             }
+            for key, src in (("bf16", "bf16"), ("mxfp8", name)):
+                if src + "_host" in res:
+                    row[key + "_host"] = res[src + "_host"]
             if mem and backward:
                 row["memory"] = {"bf16": mem["bf16"], "mxfp8": mem[name]}
             for key, src in (("bf16", "bf16"), ("mxfp8", name)):
                 if src + "_breakdown" in res:
                     row[key + "_breakdown_ms"], row[key + "_top_kernels"] = res[src + "_breakdown"]
             rows.append(row)
-            print(f"{row['shape']:>8} {row['routing']:>9} {row['pass']:>8} "
-                  f"{row['scale_blocks']:>5} | "
+            print(f"{row['shape']:>8} {row['routing']:>9} {row['pass']:>8} {name[6:]:>5} | "
                   f"bf16 {row['bf16_ms']:8.2f} ms {row['bf16_tflops']:6.0f} TF | mxfp8 "
                   f"{row['mxfp8_ms']:8.2f} ms {row['mxfp8_tflops']:6.0f} TF | "
                   f"x{row['speedup']:.2f} | peak "
@@ -357,6 +446,14 @@ def main() -> None:
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     ap.add_argument("--memory", action="store_true",
                     help="per precision: forward / backward peaks and what is alive at the peak")
+    ap.add_argument("--cache-weights", default="0",
+                    help="MXFP8MoE cache_weights, comma-separated (0, 1 or 0,1: both layers)")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches per step (gradient accumulation)")
+    ap.add_argument("--host-time", action="store_true",
+                    help="host time per fwd+bwd step, launched while the GPU is busy")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="with --host-time: the top N functions of a cProfile of the launches")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
@@ -368,8 +465,15 @@ def main() -> None:
             rows += [{**r, **info} for r in run_shape(SHAPES[name], skew, args)]
     print("\nshape    routing   pass     blocks |  bf16 ms  mxfp8 ms | speedup")
     for r in rows:
-        print(f"{r['shape']:8} {r['routing']:9} {r['pass']:8} {r['scale_blocks']:6} | "
+        cached = " cached" if r["cache_weights"] else ""
+        print(f"{r['shape']:8} {r['routing']:9} {r['pass']:8} {r['scale_blocks']:6}{cached} | "
               f"{r['bf16_ms']:8.2f} {r['mxfp8_ms']:8.2f} | {r['speedup']:.2f}")
+        if "mxfp8_host" in r:
+            print(f"{'':28}host ms per step (wall / CPU): bf16 {r['bf16_host']['wall_ms']:.2f} / "
+                  f"{r['bf16_host']['cpu_ms']:.2f}, mxfp8 {r['mxfp8_host']['wall_ms']:.2f} / "
+                  f"{r['mxfp8_host']['cpu_ms']:.2f}")
+        if r["cache_weights"]:
+            print(f"{'':28}weight cache {r['mxfp8_weight_cache_gib']:.3f} GiB")
         print(f"{'':28}peak GiB bf16 {r['bf16_peak_gib']:.2f} mxfp8 {r['mxfp8_peak_gib']:.2f}; "
               f"saved for backward B/token bf16 {r['bf16_saved_bytes_per_token']:.0f} mxfp8 "
               f"{r['mxfp8_saved_bytes_per_token']:.0f}")

@@ -9,6 +9,8 @@ wraps the result into an ``MXFP8Tensor`` after.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import mx_format as F
@@ -165,16 +167,23 @@ def _weight_operand(out: dict | None, names: tuple[str, str], w: torch.Tensor,
     return q, s
 
 
+@functools.lru_cache(maxsize=256)
+def _weights_config(dtype: str, rounding: str, n: int, k: int, block_rows: int, rows: bool,
+                    cols: bool) -> QuantConfig:
+    """The weight quantizer's configuration for experts of ``(n, k)``: made once per shape (the
+    launch path hashes it; building the dataclass every step cost as much as the lookup)."""
+    return QuantConfig(dtype=dtype, rounding=rounding, k=k, rows=rows, cols=cols,
+                       grouping="uniform", group_rows=n, col_layout="experts",
+                       block_rows=block_rows, col_aligned=n % VEC_BYTES == 0)
+
+
 def _launch_weights(w: torch.Tensor, rounding: str, block_rows: int, along_k: WeightOperand,
                     along_n: WeightOperand) -> None:
     """The weight quantizer over ``w (E, N, K)`` viewed as ``(E*N, K)`` in groups of N: writes
     ``along_k`` and/or ``along_n`` (each a `_weight_operand` pair, or None) from one read."""
     e, n, k = w.shape
-    config = QuantConfig(
-        dtype=DTYPE_NAMES[w.dtype], rounding=rounding, k=k, rows=along_k is not None,
-        cols=along_n is not None, grouping="uniform", group_rows=n, col_layout="experts",
-        block_rows=block_rows, col_aligned=n % VEC_BYTES == 0,
-    )
+    config = _weights_config(DTYPE_NAMES[w.dtype], rounding, n, k, block_rows,
+                             along_k is not None, along_n is not None)
     q_row, s_row = along_k or (None, None)
     q_col, s_col = along_n or (None, None)
     _launch("quantize_weights", config, w.view(e * n, k), q_row, s_row, q_col, s_col, None, None,

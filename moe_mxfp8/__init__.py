@@ -56,6 +56,7 @@ from .quantize import (  # noqa: E402
     quantize_dual,
     quantize_rowwise,
     quantize_weights,
+    quantize_weights_dual,
 )
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "quantize_dual",
     "quantize_rowwise",
     "quantize_weights",
+    "quantize_weights_dual",
     "reference",
     "resolve_backend",
 ]

@@ -37,9 +37,10 @@ static, so it is CUDA-graph capturable). It saves for backward only what backwar
 FP8 columnwise copies of the dispatched ``x`` and of ``a`` (wgrad operands), ``h`` (BF16, for
 the SwiGLU backward) and ``y`` (BF16, for the routing-weight gradient); with BF16 weight
 gradients (``wgrad="bf16"`` or the BF16 twin) BF16 copies of ``x`` and ``a`` instead. The expert
-weights are quantized once per step along each axis the GEMMs need (along K in forward, along N
-in backward). The expert GEMMs are `moe_mxfp8.grouped_gemm.grouped_mm_m` / ``grouped_mm_k``
-(MXFP8) or ``torch._grouped_mm`` (BF16 twin).
+weights are quantized along each axis the GEMMs need (along K in forward, along N in backward),
+or come quantized already (``weights_q``: `moe_mxfp8.weight_cache`, once per optimizer step).
+The expert GEMMs are `moe_mxfp8.grouped_gemm.grouped_mm_m` / ``grouped_mm_k`` (MXFP8) or
+``torch._grouped_mm`` (BF16 twin).
 """
 
 from __future__ import annotations
@@ -479,35 +480,51 @@ def _step_table(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend: 
     return block_table(offs, m, ACT_BLOCK[scale_blocks]) if use_triton(like, backend) else None
 
 
-def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str) -> MXFP8Tensor:
-    return quantize_weights(w.contiguous(), axis=axis, block_rows=WEIGHT_BLOCK_ROWS[scale_blocks],
-                            backend=backend)
+def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str,
+               data: Tensor | None = None, scale: Tensor | None = None) -> MXFP8Tensor:
+    """Expert weights ``w`` quantized along ``axis``: the pre-quantized ``data`` (uint8) and
+    ``scale`` given (`routed_experts`' ``weights_q``), else quantized now."""
+    rows = WEIGHT_BLOCK_ROWS[scale_blocks]
+    if data is not None:
+        return MXFP8Tensor(data.view(FP8), scale, "packed", None, "experts", rows)
+    return quantize_weights(w.contiguous(), axis=axis, block_rows=rows, backend=backend)
+
+
+# The ops' optional trailing inputs (plain optional tensors: a tensor list would route every call
+# through torch.library's pytree wrapper). ``table``: the step's `block_table`, built once by
+# `routed_experts` for both passes (else each pass builds it: some 30 small device ops each);
+# ``gu_k ... dn_n_scale``: `routed_experts`' ``weights_q`` as uint8 data and scales, gate_up
+# (gu) and down (dn) along K (forward) and along N (kept for backward).
 
 
 @define_op("moe_mxfp8::routed_experts_fwd")
 def _routed_experts_fwd(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, save: bool,
+    table: Tensor | None = None, gu_k: Tensor | None = None, gu_k_scale: Tensor | None = None,
+    dn_k: Tensor | None = None, dn_k_scale: Tensor | None = None,
+    gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
+    dn_n: Tensor | None = None, dn_n_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(out (T, D) bf16, sx, sx_scale, h, sa, sa_scale, y)``: the saved tensors (empty
     unless ``save``): wgrad operands of x and a (FP8 bytes + scales, or BF16 as int16), h and y
-    (BF16 as int16)."""
+    (BF16 as int16). The optional inputs: see above (the N-axis weights are for backward)."""
     mx, qcol, keep = _modes(precision, wgrad, save)
     top_k = rows.shape[1]
     sb = scale_blocks if mx else "1x32"  # BF16 twin: nothing quantized, 32-row programs
-    tbl = _step_table(x, offs, src.numel(), sb, backend)
+    tbl = _step_table(x, offs, src.numel(), sb, backend) if table is None else table
     if mx:
         # MXFP8: groups start on multiples of 16 rows (the contract of this op, see
         # `routed_experts`; the wgrad GEMMs rely on it too)
         xr, xc, xb = dispatch(x, src, offs, top_k, qrow=True, qcol=qcol, keep_bf16=keep,
                               scale_blocks=sb, aligned_groups=True, table=tbl, backend=backend)
-        h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend), offs, out_dtype=BF16,
-                         backend=backend)
+        h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend, gu_k, gu_k_scale), offs,
+                         out_dtype=BF16, backend=backend)
         del xr
         ar, ac, ab = swiglu(h, src, offs, qrow=True, qcol=qcol, keep_bf16=keep, scale_blocks=sb,
                             aligned_groups=True, table=tbl, backend=backend)
-        y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend), offs, out_dtype=BF16,
-                         backend=backend)
+        y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend, dn_k, dn_k_scale), offs,
+                         out_dtype=BF16, backend=backend)
         del ar
     else:
         _, _, xb = dispatch(x, src, offs, top_k, qrow=False, qcol=False, keep_bf16=True,
@@ -529,7 +546,9 @@ def _routed_experts_fwd(
 
 @_routed_experts_fwd.register_fake
 def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, precision, backend,
-                             wgrad, scale_blocks, save):
+                             wgrad, scale_blocks, save, table=None, gu_k=None, gu_k_scale=None,
+                             dn_k=None, dn_k_scale=None, gu_n=None, gu_n_scale=None, dn_n=None,
+                             dn_n_scale=None):
     t, d = x.shape
     e, h2, _ = w_gate_up.shape
     m = src.numel()
@@ -566,10 +585,13 @@ def _routed_experts_bwd(
     dout: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, sx: Tensor, sx_scale: Tensor, h: Tensor, sa: Tensor, sa_scale: Tensor,
     y: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, need_dx: bool,
-    need_dw: bool, need_dweights: bool,
+    need_dw: bool, need_dweights: bool, table: Tensor | None = None,
+    gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
+    dn_n: Tensor | None = None, dn_n_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx (T, D), dw_gate_up (E, 2H, D), dw_down (E, D, H), dweights (T, k) fp32)``;
-    an unneeded one is empty."""
+    an unneeded one is empty. The optional inputs: the step's block table and the forward's
+    N-axis weights (see `_routed_experts_fwd`)."""
     mx, qcol, _ = _modes(precision, wgrad, True)
     keep = need_dw and not qcol
     qcol = need_dw and qcol
@@ -581,7 +603,7 @@ def _routed_experts_bwd(
     dwdn = _empty(dout, BF16)
     chain = need_dx or need_dw
     sb = scale_blocks if mx else "1x32"
-    tbl = _step_table(dout, offs, src.numel(), sb, backend)
+    tbl = _step_table(dout, offs, src.numel(), sb, backend) if table is None else table
     dyr, dyc, dyb, dwts = combine_backward(
         dout, y, src, rows, weights, offs, qrow=mx and chain, qcol=qcol,
         keep_bf16=(not mx and chain) or keep, need_dw=need_dweights, scale_blocks=sb,
@@ -596,8 +618,8 @@ def _routed_experts_bwd(
     e, d, hh = w_down.shape
     late = need_dw and src.numel() * d * (1 if mx and qcol else 2) < e * d * hh * 2
     if mx:
-        da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend), offs, out_dtype=BF16,
-                          backend=backend)
+        da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend, dn_n, dn_n_scale), offs,
+                          out_dtype=BF16, backend=backend)
         del dyr
         if not late:
             if need_dw:
@@ -610,8 +632,8 @@ def _routed_experts_bwd(
         # dgrad before wgrad: dx is small, and its temporaries (the N-axis weights, the sorted
         # dX rows, dh's rowwise copy) are freed before the (E, 2H, D) weight gradient exists
         if need_dx:
-            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend), offs,
-                               out_dtype=BF16, backend=backend)
+            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend, gu_n, gu_n_scale),
+                               offs, out_dtype=BF16, backend=backend)
             dx = dispatch_backward(dxs, rows, backend=backend)
             del dxs
         del dhr
@@ -644,7 +666,8 @@ def _routed_experts_bwd(
 @_routed_experts_bwd.register_fake
 def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, sx, sx_scale, h,
                              sa, sa_scale, y, precision, backend, wgrad, scale_blocks, need_dx,
-                             need_dw, need_dweights):
+                             need_dw, need_dweights, table=None, gu_n=None, gu_n_scale=None,
+                             dn_n=None, dn_n_scale=None):
     t, k = rows.shape
     dx = dout.new_empty(t, dout.shape[1], dtype=BF16) if need_dx else _empty(dout, BF16)
     dwgu = w_gate_up.new_empty(w_gate_up.shape, dtype=BF16) if need_dw else _empty(dout, BF16)
@@ -654,30 +677,48 @@ def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, 
     return dx, dwgu, dwdn, dwts
 
 
+N_SAVED = 12  # tensors `_setup_context` saves before the optional ones (N-axis weights, table)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     (_, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, scale_blocks,
-     _) = inputs
+     _, *extra) = inputs
+    padded: list = [*extra, *[None] * (9 - len(extra))]
+    table, _, _, _, _, *weights_n = padded
     _, sx, sxs, h, sa, sas, y = output
     ctx.cfg = (precision, backend, wgrad, scale_blocks)
+    # backward returns one entry per argument autograd saw: the dispatcher drops the trailing
+    # ones equal to their default (None; `inputs` has them filled in)
+    while extra and extra[-1] is None:
+        extra.pop()
+    ctx.n_extra = len(extra)
     # The saved-tensor outputs get no gradient; without this autograd would allocate and fill
     # zero "gradients" of their size at the start of backward (measured at dsv3: ~0.9 ms and
     # GiBs of peak memory).
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y)
+    weights_n = [t for t in weights_n if t is not None]  # pre-quantized: backward's operands
+    ctx.n_weights_n = len(weights_n)
+    ctx.has_table = table is not None
+    ctx.save_for_backward(w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y,
+                          *weights_n, *([table] if ctx.has_table else []))
 
 
 def _backward(ctx, dout, *_unused):
     need_dx = ctx.needs_input_grad[0]
     need_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     need_dwts = ctx.needs_input_grad[3]
+    saved = ctx.saved_tensors
+    weights_n = saved[N_SAVED:N_SAVED + ctx.n_weights_n]
+    table = saved[-1] if ctx.has_table else None
     dx, dwgu, dwdn, dwts = torch.ops.moe_mxfp8.routed_experts_bwd(
-        dout, *ctx.saved_tensors, *ctx.cfg, need_dx, need_dw, need_dwts)
+        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, table, *weights_n)
     return (
         dx if need_dx else None,
         dwgu if ctx.needs_input_grad[1] else None,
         dwdn if ctx.needs_input_grad[2] else None,
         dwts if need_dwts else None,
         None, None, None, None, None, None, None, None,
+        *[None] * ctx.n_extra,
     )
 
 
@@ -690,6 +731,7 @@ def routed_experts(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, *, precision: str = "mxfp8", backend: str = "auto", wgrad: str = "mxfp8",
     scale_blocks: str = "1x32", weight_blocks: str | None = None,
+    weights_q: tuple[MXFP8Tensor, MXFP8Tensor, MXFP8Tensor, MXFP8Tensor] | None = None,
 ) -> Tensor:
     """The routed experts of a SwiGLU MoE layer on the layout of `route_layout`, with autograd.
 
@@ -704,6 +746,11 @@ def routed_experts(
         out[t] = sum_j w[t, j] * (silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) Wd_e^T,  e = expert of (t, j)
 
     Gradients flow to x, both weights and ``weights``.
+
+    ``weights_q`` (``precision="mxfp8"``): the expert weights already quantized with
+    ``scale_blocks``' weight tiles, ``(w_gate_up along K, w_down along K, w_gate_up along N,
+    w_down along N)`` (`moe_mxfp8.weight_cache`); they must be ``w_gate_up``'s and
+    ``w_down``'s current values (the GEMMs read them instead of quantizing the weights).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"routed_experts: precision must be one of {PRECISIONS}, "
@@ -732,9 +779,17 @@ def routed_experts(
     if offs.numel() != w_gate_up.shape[0]:
         raise ValueError(f"routed_experts: offs has {offs.numel()} groups but w_gate_up has "
                          f"{w_gate_up.shape[0]} experts")
+    wq: tuple = ()
+    if weights_q is not None:
+        if precision != "mxfp8":
+            raise ValueError("routed_experts: weights_q is for precision='mxfp8'")
+        wq = tuple(v for t in weights_q for v in (t.data.view(torch.uint8), t.scale))
     save = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
+    # the row kernels' block table, once for forward and backward (None: the references run)
+    table = _step_table(x, offs, src.numel(), scale_blocks if precision == "mxfp8" else "1x32",
+                        backend)
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
-        scale_blocks, save)[0]
+        scale_blocks, save, table, *wq)[0]
     return out

@@ -334,6 +334,7 @@ def _local_experts(layer, x_recv: Tensor, plan: _Plan) -> Tensor:
         x_recv, layer.w_gate_up.to(COMPUTE_DTYPE), layer.w_down.to(COMPUTE_DTYPE), ones,
         plan.land.to(torch.int32).view(r, 1), src, plan.offs, precision=layer.precision,
         backend=layer.backend, wgrad=layer.wgrad, scale_blocks=layer.resolved_scale_blocks(),
+        weights_q=layer._quantized_weights(x_recv),  # this rank's experts (cache_weights)
     )
 
 

@@ -50,6 +50,7 @@ from torch import nn
 
 from . import datapath as DP
 from . import expert_parallel as EP
+from . import weight_cache as WC
 from .autograd import (
     WGRAD_MODES,
     check_layer_dims,
@@ -219,6 +220,14 @@ class MXFP8MoE(nn.Module):
             on every backend, in eager mode and under ``torch.compile``; with ``ep_group`` the
             count is summed over the group first, so every rank raises together. ``True`` /
             ``False`` are the older spellings of ``"raise"`` / ``"flag"``.
+        cache_weights: quantize the routed expert weights once per optimizer step instead of
+            in every forward and backward (mxfp8 only; `moe_mxfp8.weight_cache`): gradient
+            accumulation and recomputed forwards reuse the FP8 weights of both axes while the
+            parameters are unchanged, at one FP8 byte per expert parameter and axis held until
+            the next optimizer step (`weight_cache_bytes`). Off by default: that memory exceeds
+            what MXFP8 saves against the BF16 twin at mixtral-like shapes, and a write through
+            ``param.data`` outside an optimizer step is invisible to it (then call
+            `invalidate_weight_cache`).
         device, dtype: of the parameters. ``dtype`` may be bfloat16 (default), float32 (e.g.
             master weights; cast to BF16 for the expert GEMMs in forward) or float16.
 
@@ -265,6 +274,7 @@ class MXFP8MoE(nn.Module):
         ep_payload: str | None = None,
         ep_grad_payload: str = "bf16",
         check_finite: str = "flag",
+        cache_weights: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -285,7 +295,8 @@ class MXFP8MoE(nn.Module):
         check_weight_blocks(weight_blocks, "MXFP8MoE")
         scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks, "MXFP8MoE")
         check_backend_name(backend, "MXFP8MoE", env=precision == "mxfp8")
-        for name, v in (("renormalize", renormalize), ("save_colwise", save_colwise)):
+        for name, v in (("renormalize", renormalize), ("save_colwise", save_colwise),
+                        ("cache_weights", cache_weights)):
             if not isinstance(v, bool):
                 raise TypeError(f"MXFP8MoE: {name} must be a bool, got {v!r}")
         if (
@@ -320,6 +331,8 @@ class MXFP8MoE(nn.Module):
         self.aux_loss_coef = float(aux_loss_coef)
         self.wgrad = wgrad
         self.save_colwise = bool(save_colwise)
+        self.cache_weights = cache_weights
+        self._weight_cache: WC.WeightCache | None = None  # made on first use
         self.scale_blocks = scale_blocks  # as asked: "auto" or a recipe
         self.weight_blocks = scale_blocks if scale_blocks == "32x32" else "1x32"  # older name
         self.check_finite = check_finite  # validated by the property's setter
@@ -384,6 +397,8 @@ class MXFP8MoE(nn.Module):
                 s += f", scale_blocks={self.scale_blocks!r}"
             if not self.save_colwise:
                 s += ", save_colwise=False"
+            if self.cache_weights:
+                s += ", cache_weights=True"
         return s
 
     # -----------------------------------------------------------------------------------------
@@ -452,7 +467,45 @@ class MXFP8MoE(nn.Module):
         state = super().__getstate__()
         if isinstance(state.get("aux_loss"), torch.Tensor):
             state["aux_loss"] = state["aux_loss"].detach()
+        state["_weight_cache"] = None  # a copy quantizes its own weights
         return state
+
+    # -----------------------------------------------------------------------------------------
+    # quantized expert weights kept between forwards (cache_weights=True)
+    # -----------------------------------------------------------------------------------------
+
+    def weight_cache_bytes(self) -> int:
+        """Bytes of FP8 expert weights (data + scales) the weight cache holds now."""
+        cache = getattr(self, "_weight_cache", None)
+        return 0 if cache is None else cache.nbytes()
+
+    def invalidate_weight_cache(self) -> None:
+        """Drop the cached FP8 expert weights: needed only after writing the expert weights
+        through ``.data`` outside an optimizer step (`moe_mxfp8.weight_cache`)."""
+        cache = getattr(self, "_weight_cache", None)  # absent while __init__ runs
+        if cache is not None:
+            cache.clear()
+
+    def _apply(self, fn, *args, **kwargs):
+        self.invalidate_weight_cache()  # .to(), .cuda(), .half(): the old copies are garbage
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.invalidate_weight_cache()  # the version bump would miss too; this frees memory
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def _quantized_weights(self, x: torch.Tensor):
+        """The cached `routed_experts` ``weights_q`` of this forward, or None (no cache)."""
+        if not (self.cache_weights and self.precision == "mxfp8" and WC.usable(x)):
+            return None
+        if self.w_gate_up.is_inference():  # made under torch.inference_mode: no version counter
+            return None
+        if self._weight_cache is None:
+            self._weight_cache = WC.WeightCache()
+        get = self._weight_cache.get
+        gu_k, gu_n = get("w_gate_up", self.w_gate_up, self.resolved_scale_blocks(), self.backend)
+        dn_k, dn_n = get("w_down", self.w_down, self.resolved_scale_blocks(), self.backend)
+        return gu_k, dn_k, gu_n, dn_n
 
     # -----------------------------------------------------------------------------------------
     # checks
@@ -561,7 +614,7 @@ class MXFP8MoE(nn.Module):
             x_flat.to(COMPUTE_DTYPE), self.w_gate_up.to(COMPUTE_DTYPE),
             self.w_down.to(COMPUTE_DTYPE), weights, rows, src, offs,
             precision=self.precision, backend=self.backend, wgrad=self.wgrad,
-            scale_blocks=recipe,
+            scale_blocks=recipe, weights_q=self._quantized_weights(x),
         )
         return self._finish(out, x_flat, x)
 

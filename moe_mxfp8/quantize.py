@@ -162,6 +162,28 @@ def quantize_dual(
 WEIGHT_AXES = ("K", "N")
 
 
+def _check_weights(fn: str, w: torch.Tensor, axes, rounding: str, scale_layout: str,
+                   block_rows: int) -> None:
+    """The weight quantizers' argument checks, for the operands along each of ``axes``."""
+    C.check_float_input("w", w, 3)
+    C.check_extents("w", w, rows=w.shape[0] * w.shape[1])
+    C.check_not_differentiable(fn, "w", w)
+    C.check_rounding(rounding)
+    C.check_scale_layout(scale_layout)
+    for axis in axes:
+        if axis not in WEIGHT_AXES:
+            raise ValueError(f"axis must be 'K' (fprop) or 'N' (dgrad), got {axis!r}")
+    if block_rows not in WEIGHT_BLOCK_ROWS.values():
+        raise ValueError(f"block_rows must be 1 (1x32 blocks), 32 (32x32) or 128 (128x128), "
+                         f"got {block_rows}")
+    for axis in axes:
+        C.check_multiple_of("w", w.shape[-1 if axis == "K" else -2], L.BLOCK_SIZE,
+                            f"axis {axis}")
+        if block_rows == 32:
+            C.check_multiple_of("w", w.shape[-2 if axis == "K" else -1], 32,
+                                "the other axis (32x32)")
+
+
 def quantize_weights(
     w: torch.Tensor, *, axis: str = "K", rounding: str = "rceil", scale_layout: str = "packed",
     block_rows: int = 1, backend: str | None = "auto",
@@ -173,22 +195,30 @@ def quantize_weights(
     (both orientations then share values), an option; the default is 1x32 blocks.
     ``block_rows=128``: one scale per 128x128 tile (the "1x128" recipe's weights).
     """
-    C.check_float_input("w", w, 3)
-    C.check_extents("w", w, rows=w.shape[0] * w.shape[1])
-    C.check_not_differentiable("quantize_weights", "w", w)
-    C.check_rounding(rounding)
-    C.check_scale_layout(scale_layout)
-    if axis not in WEIGHT_AXES:
-        raise ValueError(f"axis must be 'K' (fprop) or 'N' (dgrad), got {axis!r}")
-    if block_rows not in WEIGHT_BLOCK_ROWS.values():
-        raise ValueError(f"block_rows must be 1 (1x32 blocks), 32 (32x32) or 128 (128x128), "
-                         f"got {block_rows}")
-    C.check_multiple_of("w", w.shape[-1 if axis == "K" else -2], L.BLOCK_SIZE, f"axis {axis}")
-    if block_rows == 32:
-        C.check_multiple_of("w", w.shape[-2 if axis == "K" else -1], 32, "the other axis (32x32)")
+    _check_weights("quantize_weights", w, (axis,), rounding, scale_layout, block_rows)
     if resolve_backend(backend, w.device) == "reference":
         return R.quantize_weights_ref(w, axis, rounding, scale_layout, block_rows)
     data, scale = _kernel_module().quantize_weights(_kernel_input(w), axis=axis,
                                                     rounding=rounding, block_rows=block_rows)
     out = MXFP8Tensor(data, scale, "packed", None, "experts", block_rows)
     return out if scale_layout == "packed" else _to_dense(out)
+
+
+def quantize_weights_dual(
+    w: torch.Tensor, *, rounding: str = "rceil", scale_layout: str = "packed",
+    block_rows: int = 1, backend: str | None = "auto",
+) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    """Both GEMM operands of expert weights ``w (E, N, K)`` from one read: ``(axis K, axis N)``,
+    each the bytes `quantize_weights` gives for that axis (K and N multiples of 32)."""
+    _check_weights("quantize_weights_dual", w, WEIGHT_AXES, rounding, scale_layout, block_rows)
+    if resolve_backend(backend, w.device) == "reference":
+        k_axis, n_axis = WEIGHT_AXES
+        return (R.quantize_weights_ref(w, k_axis, rounding, scale_layout, block_rows),
+                R.quantize_weights_ref(w, n_axis, rounding, scale_layout, block_rows))
+    (data_k, scale_k), (data_n, scale_n) = _kernel_module().quantize_weights_dual(
+        _kernel_input(w), rounding=rounding, block_rows=block_rows)
+    along_k = MXFP8Tensor(data_k, scale_k, "packed", None, "experts", block_rows)
+    along_n = MXFP8Tensor(data_n, scale_n, "packed", None, "experts", block_rows)
+    if scale_layout == "packed":
+        return along_k, along_n
+    return _to_dense(along_k), _to_dense(along_n)

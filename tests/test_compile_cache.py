@@ -398,6 +398,40 @@ def test_native_kernel_refuses_an_int_that_would_wrap():
     assert len(seen) == 1  # nothing reached the kernel
 
 
+def test_native_launch_cells_without_a_library():
+    """The launch packing alone (no compiled library, so it runs in CI): every argument in an
+    8-byte cell -- pointers and the stream whole, an ``int32_t`` (signed) in the low half --
+    then the ``int32_t`` result, read back signed."""
+    import ctypes
+
+    from moe_mxfp8.kernels import native
+
+    seen, status = [], [0]
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+    def recorder(args, n):
+        cells = ctypes.cast(args, ctypes.POINTER(ctypes.c_void_p))
+        ptr = [ctypes.cast(cells[i], ctypes.POINTER(ctypes.c_void_p)).contents.value
+               for i in (0, 1)]
+        i32 = [ctypes.cast(cells[i], ctypes.POINTER(ctypes.c_int32)).contents.value
+               for i in (2, 3, 4)]
+        stream = ctypes.cast(cells[5], ctypes.POINTER(ctypes.c_void_p)).contents.value
+        seen.append((n, ptr, i32, stream))
+        ctypes.cast(cells[n - 1], ctypes.POINTER(ctypes.c_int32)).contents.value = status[0]
+
+    kern = object.__new__(native.NativeKernel)
+    kern._entry, kern._loaded = recorder, True
+    kern(native.Ptr("uint8", 0x7F0000001000), native.Ptr("bfloat16", 0x7F0000002000), -5,
+         2**31 - 1, -(2**31), native.Stream(0x1234))
+    assert seen == [(7, [0x7F0000001000, 0x7F0000002000], [-5, 2**31 - 1, -(2**31)], 0x1234)]
+    for code in (700, -1):
+        status[0] = code
+        with pytest.raises(RuntimeError, match=f"CUDA error {code} launching"):
+            kern(native.Ptr("uint8", 16), native.Ptr("uint8", 32), 1, 2, 3, native.Stream(0))
+    with pytest.raises(TypeError, match="unsupported kernel argument"):
+        kern(1.5)
+
+
 def test_link_shared_refuses_what_it_cannot_link(tmp_path, monkeypatch):
     from moe_mxfp8.kernels import native
 

@@ -198,11 +198,33 @@ def _check_nonfinite_token(rank: int, ws: int, seed: int, device: str = "cpu") -
         assert torch.equal(ep(x[sl]), ref(x)[sl])
 
 
+def _check_weight_cache(seed: int, device: str) -> None:
+    """``cache_weights=True`` with expert parallelism: this rank's experts are quantized once
+    for two micro-batches, with the outputs and gradients of the uncached layer, bit for bit."""
+    torch.manual_seed(seed)
+    layers = [MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, backend=LAYER_BACKEND[device], device=device,
+                       ep_group=dist.group.WORLD, cache_weights=cache) for cache in (False, True)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    for _ in range(2):
+        x = torch.randn(6, DIM).to(device, BF16)
+        res = []
+        for m in layers:
+            xi = x.clone().requires_grad_()
+            y = m(xi)
+            y.float().square().sum().backward()
+            res.append((y, xi.grad))
+        assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    for p, q in zip(layers[0].parameters(), layers[1].parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert layers[1]._weight_cache.quantizations == 2
+
+
 def _run_all(rank: int, ws: int, seed: int, device: str) -> None:
     for case in CASES if device == "cuda" else CASES_RUN[ws]:
         _check_case(rank, ws, seed, case, device)
     _check_state_dicts(rank, ws, seed, device)
     _check_nonfinite_token(rank, ws, seed, device)
+    _check_weight_cache(seed, device)
     if ws > 1:
         with pytest.raises(ValueError, match="multiple of the expert-parallel group size"):
             MXFP8MoE(DIM, HIDDEN, ws + 1, 1, ep_group=dist.group.WORLD)

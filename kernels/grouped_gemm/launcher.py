@@ -42,6 +42,28 @@ def _host(host_cls, config):
     return host_cls.host_class()(config)
 
 
+_PLANS: dict = {}
+MAX_PLANS = 4096  # distinct (kernel, problem) pairs kept; a training loop has a handful
+
+
+def _plan(kernel_cls, prob: P.GroupedProblem, tuning: dict | None):
+    """``(config, host, can_implement's answer)`` for ``prob``: the per-call host decisions,
+    made once per kernel class and problem (a frozen dataclass of static sizes, token count,
+    groups and device; a step launches the same few problems every time) unless ``tuning``
+    overrides them."""
+    key = (kernel_cls, prob)
+    plan = None if tuning else _PLANS.get(key)
+    if plan is None:
+        config = kernel_cls.select_config(prob, tuning)
+        host = _host(kernel_cls, config)
+        plan = (config, host, host.can_implement(prob))
+        if not tuning:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
 def compile_config(kernel_cls, config, options: str | None = None, stream=None,
                    arch: str | None = None):
     """The compiled kernel of one configuration for ``arch`` (the arch CuTeDSL compiles for,
@@ -157,10 +179,8 @@ def _launch(kernel_cls, prob, a, b, offs, result, aligned_groups, tuning, max_cl
     if prob.mode == P.MODE_K and not aligned_groups:
         a_data, b_data, offs = P.align_k_groups(a_data, b_data, offs)
         prob = dataclasses.replace(prob, m=a_data.shape[1])
-    config = kernel_cls.select_config(prob, tuning)
-    host = _host(kernel_cls, config)
+    config, host, (ok, why) = _plan(kernel_cls, prob, tuning)
     name = kernel_cls.kernel_name
-    ok, why = host.can_implement(prob)
     if not ok:
         raise ValueError(f"{name} cannot run this problem: {why}")
     for t in (a_data, b_data, a.scale, b.scale, result):

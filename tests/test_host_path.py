@@ -1,0 +1,108 @@
+"""The layer's GPU host path on a CPU (`tools/host_path_probe.py`: every launch a no-op): what a
+forward + backward launches, so that a change that adds launches or host work shows here."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from moe_mxfp8.kernels import native
+
+from moe_mxfp8 import MXFP8MoE
+
+PROBE = Path(__file__).resolve().parents[1] / "tools" / "host_path_probe.py"
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location("host_path_probe", PROBE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def launches(probe, monkeypatch):
+    """Launch counts by kind while the GPU host path runs."""
+    n = Counter()
+    call = native.NativeKernel.__call__
+
+    def native_call(self, *args):
+        n["native"] += 1
+        return call(self, *args)
+
+    def triton_launch(self, grid):
+        n["triton"] += 1
+        return lambda *a, **k: None
+
+    monkeypatch.setattr(native.NativeKernel, "__call__", native_call)
+    monkeypatch.setattr(probe._Launcher, "__getitem__", triton_launch)
+    with probe.gpu_host_path():
+        yield n
+
+
+def _step(m, x, dy):
+    xi = x.clone().requires_grad_()
+    m(xi).backward(dy)
+    return xi.grad
+
+
+@pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
+def test_mxfp8_step_launches(launches, scale_blocks):
+    """A forward + backward: 4 weight quantizations (2 weights x 2 axes) and 6 grouped GEMMs
+    (fprop 2, dgrad 2, wgrad 2) through ctypes, 6 Triton data-path kernels; with the weight
+    cache 2 dual quantizations in the first step and none in the second."""
+    torch.manual_seed(0)
+    x, dy = torch.randn(2, 40, 128).to(BF16), torch.randn(2, 40, 128).to(BF16)
+    plain = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks)
+    cached = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks, cache_weights=True)
+    for m, counts in ((plain, [10, 10]), (cached, [8, 6])):
+        for want in counts:
+            launches.clear()
+            _step(m, x, dy)
+            assert launches == {"native": want, "triton": 6}
+
+
+def test_bf16_twin_step_launches(launches):
+    torch.manual_seed(0)
+    m = MXFP8MoE(128, 64, 8, 2, precision="bf16")
+    _step(m, torch.randn(80, 128).to(BF16), torch.randn(80, 128).to(BF16))
+    assert launches == {"triton": 6}
+
+
+def test_probe_restores_the_cpu_path(probe):
+    """After the probe the layer runs the reference again (no stub left behind)."""
+    with probe.gpu_host_path():
+        pass
+    torch.manual_seed(0)
+    m = MXFP8MoE(128, 64, 8, 2, backend="reference")
+    y = m(torch.randn(16, 128).to(BF16))
+    assert torch.isfinite(y).all() and y.abs().sum() > 0
+
+
+def test_launch_decisions_are_made_once_per_problem(launches, monkeypatch):
+    """The grouped GEMM launcher chooses a configuration once per (kernel, problem): the
+    second step of the same shapes makes no new choice (`launcher._plan`)."""
+    from moe_mxfp8.kernels.grouped_gemm import launcher
+    from moe_mxfp8.kernels.grouped_gemm.sm90_config import GroupedGemmSm90Host
+
+    chosen = []
+    select = GroupedGemmSm90Host.select_config.__func__
+
+    def counting(cls, problem, tuning=None):
+        chosen.append(problem.static_key())
+        return select(cls, problem, tuning)
+
+    monkeypatch.setattr(GroupedGemmSm90Host, "select_config", classmethod(counting))
+    monkeypatch.setattr(launcher, "_PLANS", {})
+    torch.manual_seed(0)
+    m = MXFP8MoE(128, 96, 8, 2)  # D 128, H 96: six different GEMM shapes
+    x, dy = torch.randn(40, 128).to(BF16), torch.randn(40, 128).to(BF16)
+    _step(m, x, dy)
+    assert len(chosen) == 6 == len(set(chosen))  # fprop 2, dgrad 2, wgrad 2
+    _step(m, x, dy)
+    assert len(chosen) == 6 and launches["native"] == 20
