@@ -109,10 +109,11 @@ def gpu_host_path():
         (DP, "use_triton", lambda t, backend: backend != "reference"),
         (DP, "_triton_kernels", lambda: dpt),
         (B, "kernel_backend_for", lambda device: "sm90"),  # backend="auto" resolves to sm90
-        (quantize_launch, "compile_quantizer", lambda op, config, arch=None: kern),
-        (quantize_launch, "current_stream", lambda: stream),
-        (launcher, "compile_config", lambda cls, config, options=None, stream=None: kern),
-        (launcher, "current_stream", lambda: stream),
+        (quantize_launch, "compile_quantizer", lambda op, config, arch=None, stream=None: kern),
+        (quantize_launch, "current_stream", lambda device: stream),
+        (launcher, "compile_config", lambda cls, config, options=None, stream=None, arch=None:
+         kern),
+        (launcher, "current_stream", lambda device: stream),
         (launcher, "_max_active_clusters", lambda index, size: 132),
         (torch.cuda, "current_device", lambda: 0),
         (torch, "_grouped_mm", _grouped_mm_stub),
