@@ -377,8 +377,8 @@ def grouped_mm(
             together with the rowwise one and save it in FP8 instead of the BF16 ``x`` (default:
             same time, less memory); False re-quantizes x in backward. Same bytes either way.
         scale_blocks: the scale-block recipe. ``"auto"`` (default): the recipe of x's device,
-            `moe_mxfp8.backend.auto_scale_blocks` (``"1x128"`` on Hopper, ``"1x32"`` on
-            Blackwell and CPUs); ``"1x32"`` (exact MXFP8, one scale per
+            `moe_mxfp8.backend.auto_scale_blocks` (today ``"1x32"`` on every device; on
+            Hopper the protocol-chosen `HOPPER_AUTO_SCALE_BLOCKS`); ``"1x32"`` (exact MXFP8, one scale per
             32 elements along every GEMM's reduced axis); ``"32x32"`` (one scale per 32x32 tile
             of each expert's W for fprop and dgrad; X, dY and wgrad unchanged); ``"1x128"``
             (X and dY one scale per 128 elements along the reduced axis, in wgrad per 128

@@ -191,8 +191,9 @@ class MXFP8MoE(nn.Module):
             weights in fprop and dgrad (mxfp8 only; see `moe_mxfp8.grouped_mm`).
         scale_blocks: the scale-block recipe of the expert GEMMs (mxfp8 only; one vocabulary
             with `moe_mxfp8.grouped_mm` and the quantizers): ``"auto"`` (default: the recipe of
-            the GPU the layer runs on, `moe_mxfp8.backend.auto_scale_blocks` -- ``"1x128"`` on
-            Hopper, the exact ``"1x32"`` on Blackwell and on CPUs; resolved at the first forward
+            the GPU the layer runs on, `moe_mxfp8.backend.auto_scale_blocks` -- on Hopper
+            `HOPPER_AUTO_SCALE_BLOCKS` (the parity protocol's choice, today ``"1x32"``), the
+            exact ``"1x32"`` on Blackwell and on CPUs; resolved at the first forward
             on a device and again, with a warning, if the layer moves to another kind of GPU),
             ``"1x32"`` (exact MXFP8), ``"32x32"`` (= ``weight_blocks="32x32"``) or ``"1x128"``
             (activations/gradients one scale per 128 elements, weights per 128x128 tile; groups

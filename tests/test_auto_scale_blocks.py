@@ -30,6 +30,14 @@ def gpu_standin(monkeypatch):
     return set_cap
 
 
+@pytest.fixture
+def hopper_picks_1x128(monkeypatch):
+    """The resolution machinery with Hopper's choice differing from Blackwell's (a protocol
+    that chose "1x128"), whatever `HOPPER_AUTO_SCALE_BLOCKS` is today: moving between the two
+    kinds must then re-resolve, warn and re-align."""
+    monkeypatch.setitem(B.AUTO_SCALE_BLOCKS_BY_ARCH, "sm90", "1x128")
+
+
 def _layer(scale_blocks=B.AUTO, seed=0, **kw):
     torch.manual_seed(seed)
     return MXFP8MoE(D, H, E, K, backend="reference", scale_blocks=scale_blocks, **kw)
@@ -75,7 +83,7 @@ def test_layer_runs_the_resolved_recipe(gpu_standin, cap):
     assert not _same(auto, _fwd_bwd(_layer(other)))  # the recipe reaches the GEMMs
 
 
-def test_hopper_layer_aligns_groups_for_1x128(gpu_standin):
+def test_hopper_layer_aligns_groups_for_1x128(gpu_standin, hopper_picks_1x128):
     gpu_standin(HOPPER)
     layer = _layer()
     assert layer.resolved_scale_blocks() == "1x128" and layer.group_align_rows == 128
@@ -91,7 +99,7 @@ def test_explicit_choice_is_honoured(gpu_standin):
     assert _same(_fwd_bwd(exact), _fwd_bwd(_layer("1x32")))
 
 
-def test_layer_moved_to_another_kind_of_gpu_warns_once(gpu_standin):
+def test_layer_moved_to_another_kind_of_gpu_warns_once(gpu_standin, hopper_picks_1x128):
     gpu_standin(HOPPER)
     layer = _layer()
     with warnings.catch_warnings():
@@ -108,7 +116,7 @@ def test_layer_moved_to_another_kind_of_gpu_warns_once(gpu_standin):
     assert _same(_fwd_bwd(layer), _fwd_bwd(_layer("1x32")))
 
 
-def test_repr_names_request_and_resolution(gpu_standin):
+def test_repr_names_request_and_resolution(gpu_standin, hopper_picks_1x128):
     gpu_standin(HOPPER)
     assert "scale_blocks='auto' (1x128 on cpu sm_90)" in repr(_layer())
     gpu_standin(None)
@@ -118,7 +126,7 @@ def test_repr_names_request_and_resolution(gpu_standin):
     assert "scale_blocks='auto' (1x32 on cpu)" in repr(ex)
 
 
-def test_checkpoint_records_request_and_resolution(gpu_standin, tmp_path):
+def test_checkpoint_records_request_and_resolution(gpu_standin, hopper_picks_1x128, tmp_path):
     gpu_standin(HOPPER)
     path = tmp_path / "auto.safetensors"
     checkpoint.save_file(_layer(), path)
@@ -146,7 +154,7 @@ def test_checkpoint_with_explicit_recipe_keeps_it(gpu_standin, tmp_path):
     checkpoint.load_file(twin, path)
 
 
-def test_grouped_mm_auto(gpu_standin):
+def test_grouped_mm_auto(gpu_standin, hopper_picks_1x128):
     torch.manual_seed(0)
     x = torch.randn(96, D, dtype=torch.bfloat16)
     w_t = torch.randn(E, D, H, dtype=torch.bfloat16)
@@ -160,7 +168,7 @@ def test_grouped_mm_auto(gpu_standin):
         grouped_mm(x, w_t, offs, backend="reference", scale_blocks="1x64")
 
 
-def test_grouped_experts_auto_and_older_weight_blocks(gpu_standin):
+def test_grouped_experts_auto_and_older_weight_blocks(gpu_standin, hopper_picks_1x128):
     gpu_standin(HOPPER)
     torch.manual_seed(0)
     ex = MXFP8GroupedExperts(D, H, E, backend="reference")

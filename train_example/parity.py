@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MXFP8 run's weight-gradient GEMMs (default mxfp8)")
     p.add_argument("--scale-blocks", "--weight-blocks", dest="scale_blocks",
                    choices=(AUTO, *SCALE_BLOCKS), default=None,
-                   help="MXFP8 run's scale blocks: auto (default: the GPU's recipe, 1x128 on "
-                        "Hopper, 1x32 on Blackwell and CPUs), 1x32 (exact MXFP8), 32x32 or "
+                   help="MXFP8 run's scale blocks: auto (default: the device's recipe, "
+                        "moe_mxfp8.backend.auto_scale_blocks), 1x32 (exact MXFP8), 32x32 or "
                         "1x128 (--weight-blocks is its older name)")
     p.add_argument("--seeds", type=T.int_at_least(2), default=None,
                    help="the protocol: train every precision with this many seeds (from --seed) "
