@@ -118,17 +118,26 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     return {k: v for k, v in _raw_metadata(path).items() if k not in RESERVED_KEYS}
 
 
-def read_layer_configs(path: PathLike) -> dict[str, dict] | None:
-    """The recorded layer configurations, or None for a file written without them."""
-    raw = _raw_metadata(path).get(LAYERS_KEY)
+def _json_mapping(path: PathLike, key: str) -> dict | None:
+    """The metadata entry ``key`` of ``path`` as a JSON mapping, None when absent; anything
+    else is one error line naming the file and the entry."""
+    raw = _raw_metadata(path).get(key)
     if raw is None:
         return None
     try:
-        configs = json.loads(raw)
+        value = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise ValueError(f"checkpoint {os.fspath(path)}: {LAYERS_KEY} is not JSON ({e})") from None
-    if not isinstance(configs, dict):
-        raise ValueError(f"checkpoint {os.fspath(path)}: {LAYERS_KEY} is not a mapping")
+        raise ValueError(f"checkpoint {os.fspath(path)}: {key} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"checkpoint {os.fspath(path)}: {key} is not a mapping")
+    return value
+
+
+def read_layer_configs(path: PathLike) -> dict[str, dict] | None:
+    """The recorded layer configurations, or None for a file written without them."""
+    configs = _json_mapping(path, LAYERS_KEY)
+    if configs is None:
+        return None
     for name, cfg in configs.items():
         if not isinstance(cfg, dict):
             raise ValueError(f"checkpoint {os.fspath(path)}: {LAYERS_KEY} entry {name!r} is not "
@@ -152,15 +161,9 @@ def verify_checksums(path: PathLike) -> bool:
     a difference is a ValueError naming the file and the tensor. Returns False (nothing to
     compare) for a file written without checksums."""
     path = os.fspath(path)
-    raw = _raw_metadata(path).get(CHECKSUMS_KEY)
-    if raw is None:
+    want = _json_mapping(path, CHECKSUMS_KEY)
+    if want is None:
         return False
-    try:
-        want = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"checkpoint {path}: {CHECKSUMS_KEY} is not JSON ({e})") from None
-    if not isinstance(want, dict):
-        raise ValueError(f"checkpoint {path}: {CHECKSUMS_KEY} is not a mapping")
     with open(path, "rb") as f:
         for name, (start, end) in sorted(_tensor_ranges(path).items(), key=lambda kv: kv[1]):
             if name not in want:

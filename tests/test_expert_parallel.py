@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -34,6 +33,7 @@ import torch.multiprocessing as mp
 
 from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
 from moe_mxfp8 import expert_parallel as EP
+from tests.spawned import free_port, leave_worker
 
 BF16 = torch.bfloat16
 DIM, HIDDEN, EXPERTS, TOP_K = 128, 128, 8, 2  # 128: a whole 1x128 block
@@ -250,19 +250,7 @@ def _worker(rank: int, ws: int, port: int, seed: int, pg_backend: str = "gloo") 
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # Every check passed: leave without C++ static destructors. Under load a gloo transport
-    # thread could still be joinable at interpreter exit even after the barrier, and a joinable
-    # std::thread's destructor aborts the process (SIGABRT after all checks had passed, seen
-    # once more in a clean-clone CI run on 2026-11-26).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave_worker()  # every check passed
 
 
 @pytest.mark.parametrize("ws", [2, 4])
@@ -270,7 +258,7 @@ def test_expert_parallel_matches_single_process(gen, ws):
     seed = int(torch.randint(2**31, (1,), generator=gen))
     print("seed", seed)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(ws, _free_port(), seed), nprocs=ws, join=True)
+    mp.spawn(_worker, args=(ws, free_port(), seed), nprocs=ws, join=True)
 
 
 def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
@@ -281,7 +269,7 @@ def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
         pytest.skip("a process group is already initialized")
     from moe_mxfp8 import datapath as DP
 
-    _init(0, 1, _free_port(), "gloo")
+    _init(0, 1, free_port(), "gloo")
     try:
         t, k, e, d = 37, 4, 8, 64
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
@@ -571,7 +559,7 @@ def test_gpu_nccl_world_size_1(gen):
         pytest.skip("NCCL is not available")
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
-    _init(0, 1, _free_port(), "nccl")
+    _init(0, 1, free_port(), "nccl")
     try:
         seed = int(torch.randint(2**31, (1,), generator=gen))
         print("seed", seed)
@@ -593,5 +581,5 @@ def test_gpu_nccl_expert_parallel(gen, ws):
         pytest.skip(f"needs {ws} GPUs and NCCL")
     seed = int(torch.randint(2**31, (1,), generator=gen))
     print("seed", seed)
-    mp.spawn(_worker, args=(ws, _free_port(), seed, "nccl"), nprocs=ws, join=True)
+    mp.spawn(_worker, args=(ws, free_port(), seed, "nccl"), nprocs=ws, join=True)
 

@@ -18,8 +18,6 @@ collective's order: compared by SQNR.
 from __future__ import annotations
 
 import os
-import socket
-import sys
 from datetime import timedelta
 
 import pytest
@@ -31,6 +29,7 @@ from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import dcp as DCP
 from moe_mxfp8 import expert_parallel as EP
 from moe_mxfp8 import fsdp as FS
+from tests.spawned import free_port, leave_worker
 
 BF16 = torch.bfloat16
 DIM, HIDDEN, EXPERTS, TOP_K = 64, 64, 8, 2
@@ -196,17 +195,7 @@ def _worker(rank: int, ws: int, port: int, seed: int, path: str, pg_backend: str
         dist.barrier()  # nobody tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
-    # Every check passed: leave without C++ static destructors (a gloo transport thread still
-    # joinable at interpreter exit aborts the process; tests/test_expert_parallel.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave_worker()  # every check passed
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -216,7 +205,7 @@ def test_fsdp_matches_single_process(gen, ws, tmp_path):
     print("seed", seed)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     path = str(tmp_path / "dcp")
-    mp.spawn(_worker, args=(ws, _free_port(), seed, path), nprocs=ws, join=True)
+    mp.spawn(_worker, args=(ws, free_port(), seed, path), nprocs=ws, join=True)
     if ws == 4:  # the sharded checkpoint into one process, no process group
         full = _batch(seed, ws, "cpu")[0].state_dict()
         whole = _layer("cpu")
@@ -233,4 +222,4 @@ def test_gpu_nccl_fsdp_matches_single_process(gen, tmp_path):
     print("seed", seed)
     for ws in (2, 4) if torch.cuda.device_count() >= 4 else (2,):
         path = str(tmp_path / f"dcp{ws}")
-        mp.spawn(_worker, args=(ws, _free_port(), seed, path, "nccl"), nprocs=ws, join=True)
+        mp.spawn(_worker, args=(ws, free_port(), seed, path, "nccl"), nprocs=ws, join=True)
