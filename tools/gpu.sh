@@ -17,11 +17,16 @@
 #   tune-gemm         the Hopper GEMM's tuning sweep (benchmarks.tune_grouped_gemm_sm90)
 #   ncu-gemm          Nsight Compute of one warm Hopper GEMM launch (fprop and wgrad, 1x128)
 #   ncu-rowkernels    Nsight Compute of the 1x128 SwiGLU kernels
+#   bench-peers       grouped GEMMs vs bf16 and torchao's FP8-rowwise op, incl. quantization
+#                     (tools/gpu_bench_gemm_peers.sh; carry ".devwheels" too)
+#   host-time         the layer's host time per step and the weight cache (tools/gpu_host_time.sh)
+#   parity-seeds      the multi-seed parity protocol (tools/gpu_parity_seeds.sh)
+#   several-gpus      two GPUs: a layer on cuda:1, FSDP2 over NCCL (tests, 2+ GPUs)
 # Env: OUT; LIMIT (seconds per suite, else the suite's default); SHAPES (benchmark shapes, comma
 # separated); GEMM_MODES (bench-gemm, default 1x128); PARITY_ARGS (default --bf16-repeat 1);
 # WORKERS (pytest-xdist processes for the test suites, where the image has xdist).
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
 source tools/device_prelude.sh name,driver_version,clocks.max.sm
 python -c "import torch; print('torch', torch.__version__)"
 SHAPES=${SHAPES:-dsv3,mixtral,qwen3}
@@ -29,13 +34,14 @@ FILTER="Warn\|range_constexpr"  # CuTeDSL's compile-time notes
 
 declare -A TESTS=(
   [gemm]="tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py tests/kernels/test_selfcheck.py"
-  [layer]="tests/test_moe.py tests/test_autograd.py tests/test_datapath.py tests/kernels/test_align_k_groups.py"
+  [layer]="tests/test_moe.py tests/test_autograd.py tests/test_datapath.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py tests/test_auto_scale_blocks.py"
   [quant]="tests/kernels/test_quantize_kernels.py tests/test_domain.py"
-  [rest]="tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py"
+  [rest]="tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py tests/test_hf.py"
+  [several-gpus]="tests/test_device_placement.py tests/test_fsdp.py tests/test_expert_parallel.py"
 )
 declare -A LIMITS=([gemm]=240 [layer]=240 [quant]=150 [rest]=120 [bench-quant]=300
   [bench-gemm]=360 [bench-layer]=220 [bench-rowkernels]=270 [first-step]=85 [ep]=540
-  [parity]=420 [determinism]=200 [tune-gemm]=400 [ncu-gemm]=240 [ncu-rowkernels]=240)
+  [parity]=420 [determinism]=200 [several-gpus]=400 [tune-gemm]=400 [ncu-gemm]=240 [ncu-rowkernels]=240)
 
 limit() { echo "${LIMIT:-${LIMITS[$1]}}"; }
 
@@ -148,7 +154,10 @@ ncu_rowkernels() {
 for suite in "$@"; do
   echo "== $suite ($(date -u +%T))"
   case $suite in
-    gemm|layer|quant|rest) run_tests "$suite" ;;
+    gemm|layer|quant|rest|several-gpus) run_tests "$suite" ;;
+    bench-peers) bash tools/gpu_bench_gemm_peers.sh ;;
+    host-time) bash tools/gpu_host_time.sh ;;
+    parity-seeds) bash tools/gpu_parity_seeds.sh ;;
     tests) for s in gemm layer quant rest; do echo "== $s"; run_tests "$s"; done ;;
     bench-quant)
       timeout $(( $(limit bench-quant) / 2 )) python -m benchmarks.bench_quantize \
