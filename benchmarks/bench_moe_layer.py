@@ -312,10 +312,13 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
     models = {"bf16": bf16}
     for recipe in args.scale_blocks.split(",") if args.scale_blocks else [None]:
         for cache in map(int, args.cache_weights.split(",")):
-            extra = {"scale_blocks": recipe} if recipe else {}
+            extra: dict = {"scale_blocks": recipe} if recipe else {}
+            if not args.save_colwise:  # the layer's deprecated options, only when asked for
+                extra["save_colwise"] = False
+            if args.weight_blocks != "1x32":
+                extra["weight_blocks"] = args.weight_blocks
             mx = MXFP8MoE(shape.dim, shape.hidden, shape.num_experts, shape.top_k,
                           precision="mxfp8", backend=args.backend, device="cuda",
-                          save_colwise=bool(args.save_colwise), weight_blocks=args.weight_blocks,
                           wgrad=args.wgrad, cache_weights=bool(cache), **extra)
             mx.load_state_dict(bf16.state_dict())
             models[f"mxfp8 {mx.resolved_scale_blocks()}" + (" cached" if cache else "")] = mx

@@ -57,8 +57,7 @@ from . import reference as R
 from .backend import _warn_once
 from .checks import PRECISIONS
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
-from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
-from .kernels.mx_format import padded_extent as mx_padded_extent
+from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS, padded_extent
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_weights
@@ -72,12 +71,6 @@ INDEX_DTYPES = (torch.int32, torch.int64)  # rows / src: every backend indexes w
 # ---------------------------------------------------------------------------------------------
 # Routing layout
 # ---------------------------------------------------------------------------------------------
-
-
-def padded_extent(m: int, num_groups: int, align: int) -> int:
-    """Static row count of the sorted buffer: ``m`` pairs plus at most ``align - 1`` pad rows per
-    group, rounded to ``align`` (``m`` itself for ``align == 1``): `mx_format.padded_extent`."""
-    return mx_padded_extent(m, num_groups, align)
 
 
 def route_layout(expert_ids: Tensor, counts: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -157,11 +158,17 @@ def group_align_rows(scale_blocks: str) -> int:
     return GROUP_ALIGN_ROWS_1X128 if scale_blocks == "1x128" else GROUP_ALIGN_ROWS
 
 
-def _padded_extent(m: int, num_experts: int, align: int = GROUP_ALIGN_ROWS) -> int:
-    """Static row count of the ``align``-aligned expert-sorted buffer (16 rows by default):
-    `moe_mxfp8.datapath.padded_extent`, i.e. `kernels.mx_format.padded_extent`, the one copy
-    of the bound (the K-grouped GEMM's re-layout uses it too)."""
-    return DP.padded_extent(m, num_experts, align)
+def _deprecated_options(save_colwise, weight_blocks) -> tuple[bool, str]:
+    """The layer's deprecated options with their defaults, one `DeprecationWarning` each when
+    given (``scale_blocks`` replaces ``weight_blocks``; ``save_colwise`` changes no byte of the
+    fused data path)."""
+    for name, value, use in (("save_colwise", save_colwise, "omit it"),
+                             ("weight_blocks", weight_blocks, "use scale_blocks")):
+        if value is not None:
+            warnings.warn(f"MXFP8MoE: {name} is deprecated ({use})", DeprecationWarning,
+                          stacklevel=3)
+    return (True if save_colwise is None else save_colwise,
+            "1x32" if weight_blocks is None else weight_blocks)
 
 
 class MXFP8MoE(nn.Module):
@@ -182,13 +189,12 @@ class MXFP8MoE(nn.Module):
             router learns only through ``aux_loss``.
         aux_loss_coef: scale of the load-balancing loss stored in ``self.aux_loss``.
         wgrad: ``"mxfp8"`` or ``"bf16"`` weight gradients of the expert GEMMs (mxfp8 only).
-        save_colwise: forward saves the FP8 columnwise copy of the expert GEMM inputs for
-            wgrad instead of re-quantizing them in backward (default; measured: same time, less
-            memory -- see `moe_mxfp8.grouped_mm`). The lean data path (`moe_mxfp8.datapath`,
-            the single-GPU layer's path in every recipe) always writes that copy in its
-            dispatch and SwiGLU passes, so there the option changes nothing (same bytes).
-        weight_blocks: ``"1x32"`` (default) or ``"32x32"``: scale blocks of the routed expert
-            weights in fprop and dgrad (mxfp8 only; see `moe_mxfp8.grouped_mm`).
+        save_colwise: deprecated on the layer (a `DeprecationWarning`; still honoured, default
+            True): the fused data path (`moe_mxfp8.datapath`) always writes the FP8 columnwise
+            copy in its dispatch and SwiGLU passes, so it changes nothing there (same bytes);
+            expert parallelism's eager path still reads it.
+        weight_blocks: deprecated older name of ``scale_blocks="32x32"`` (a
+            `DeprecationWarning`; still honoured, default ``"1x32"``).
         scale_blocks: the scale-block recipe of the expert GEMMs (mxfp8 only; one vocabulary
             with `moe_mxfp8.grouped_mm` and the quantizers): ``"auto"`` (default: the recipe of
             the GPU the layer runs on, `moe_mxfp8.backend.auto_scale_blocks` -- on Hopper
@@ -267,8 +273,8 @@ class MXFP8MoE(nn.Module):
         renormalize: bool = True,
         aux_loss_coef: float = 0.01,
         wgrad: str = "mxfp8",
-        save_colwise: bool = True,
-        weight_blocks: str = "1x32",
+        save_colwise: bool | None = None,
+        weight_blocks: str | None = None,
         scale_blocks: str = AUTO,
         num_shared_experts: int = 0,
         ep_group=None,
@@ -280,6 +286,7 @@ class MXFP8MoE(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
+        save_colwise, weight_blocks = _deprecated_options(save_colwise, weight_blocks)
         check_layer_dims(dim, hidden_dim, num_experts, "MXFP8MoE")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
             raise ValueError(

@@ -171,3 +171,17 @@ def test_eval_copy_and_pickle():
 def test_copy_before_any_forward():
     moe = _layer()
     assert copy.deepcopy(moe).aux_loss is None
+
+
+@pytest.mark.parametrize("option, value", [("save_colwise", False), ("weight_blocks", "32x32")])
+def test_layer_deprecated_options_warn_and_are_honoured(option, value):
+    """``save_colwise`` and ``weight_blocks`` still work on the layer, with one
+    DeprecationWarning naming the option; left out, the layer does not warn."""
+    with pytest.warns(DeprecationWarning, match=f"MXFP8MoE: {option} is deprecated"):
+        layer = MXFP8MoE(64, 64, 4, 2, backend="reference", **{option: value})
+    assert getattr(layer, option) == value
+    if option == "weight_blocks":
+        assert layer.scale_blocks == "32x32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        MXFP8MoE(64, 64, 4, 2, backend="reference")

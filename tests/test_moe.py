@@ -643,9 +643,11 @@ def test_gpu_no_host_sync(rng, precision, new):
 def test_group_alignment_padding_changes_no_result(rng):
     """The MXFP8 path pads every expert group to 16 rows (Hopper wgrad TMA alignment); the
     output and every gradient must equal the unpadded computation exactly (reference backend)."""
+    from moe_mxfp8.kernels.mx_format import padded_extent
+
     from moe_mxfp8 import datapath as DP
     from moe_mxfp8.autograd import grouped_mm
-    from moe_mxfp8.moe import GROUP_ALIGN_ROWS, _padded_extent
+    from moe_mxfp8.moe import GROUP_ALIGN_ROWS
 
     mx = MXFP8MoE(64, 96, 5, 2, backend="reference")
     x = torch.randn(37, 64, generator=rng).to(BF16)
@@ -654,7 +656,8 @@ def test_group_alignment_padding_changes_no_result(rng):
     rows, _, offs = DP.route_layout(ids.view(37, 2), counts, GROUP_ALIGN_ROWS)
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), offs[:-1]])
     assert (starts % GROUP_ALIGN_ROWS == 0).all()
-    assert int(offs[-1]) == _padded_extent(74, 5) and int(offs[-1]) % GROUP_ALIGN_ROWS == 0
+    m = padded_extent(74, 5, GROUP_ALIGN_ROWS)
+    assert int(offs[-1]) == m and m % GROUP_ALIGN_ROWS == 0
     assert rows.unique().numel() == 74
 
     dy = torch.randn(37, 64, generator=rng).to(BF16)
