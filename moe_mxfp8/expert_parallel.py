@@ -318,13 +318,13 @@ class _Combine(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _local_experts(layer, x_recv: Tensor, plan: _Plan) -> Tensor:
+def _local_experts(layer, x_recv: Tensor, plan: _Plan, recipe: str) -> Tensor:
     """The local experts on the received pairs ``(R, D)`` -> their outputs ``(R, D)`` BF16, on
     the same code path the single-GPU layer takes (`MXFP8MoE.forward`): the lean data path's
     routed-expert block, each received pair a "token" with one slot of weight 1. Its dispatch
     lands row i at plan.land[i] (quantizing on the way), its combine returns y[land[i]]
     (bf16(y * 1) summed once: exact) -- and its backward takes dy rows as they come
-    (bf16(dy * 1))."""
+    (bf16(dy * 1)). ``recipe``: the forward's resolved scale-block recipe."""
     r = x_recv.shape[0]
     ar = torch.arange(r, device=x_recv.device)
     src = torch.full((plan.rows,), -1, dtype=torch.int32, device=x_recv.device)
@@ -333,8 +333,8 @@ def _local_experts(layer, x_recv: Tensor, plan: _Plan) -> Tensor:
     return DP.routed_experts(
         x_recv, layer.w_gate_up.to(COMPUTE_DTYPE), layer.w_down.to(COMPUTE_DTYPE), ones,
         plan.land.to(torch.int32).view(r, 1), src, plan.offs, precision=layer.precision,
-        backend=layer.backend, wgrad=layer.wgrad, scale_blocks=layer.resolved_scale_blocks(),
-        weights_q=layer._quantized_weights(x_recv),  # this rank's experts (cache_weights)
+        backend=layer.backend, wgrad=layer.wgrad, scale_blocks=recipe,
+        weights_q=layer._quantized_weights(x_recv, recipe),  # this rank's experts
     )
 
 
@@ -349,12 +349,14 @@ def ep_forward(layer, x: Tensor) -> Tensor:
     layer.tokens_per_expert = counts.detach()
 
     order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
-    if layer.precision == "mxfp8":
-        layer._recipe_for(x.device)  # "auto" resolved for this device (warns if it changed)
-    align = layer.group_align_rows if layer.precision == "mxfp8" else 1
+    if layer.precision == "mxfp8":  # "auto" resolved for this device (warns if it changed)
+        recipe = layer._recipe_for(x.device)
+        align = layer.group_align_rows
+    else:
+        recipe, align = layer.resolved_scale_blocks(), 1
     plan = make_plan(counts, layer.ep_group, align)
     x_recv = _Dispatch.apply(x_flat, order, k, plan, layer.ep_payload, layer.backend)
-    y_recv = _local_experts(layer, x_recv, plan)  # (R, D)
+    y_recv = _local_experts(layer, x_recv, plan, recipe)  # (R, D)
     y_local = _Combine.apply(y_recv, plan, layer.ep_grad_payload, layer.backend)  # (T*k, D)
 
     # From here on the single-GPU layer's combine: bf16(y * bf16(w)) summed over k in fp32.

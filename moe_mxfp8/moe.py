@@ -342,7 +342,6 @@ class MXFP8MoE(nn.Module):
         self.cache_weights = cache_weights
         self._weight_cache: WC.WeightCache | None = None  # made on first use
         self.scale_blocks = scale_blocks  # as asked: "auto" or a recipe
-        self.weight_blocks = scale_blocks if scale_blocks == "32x32" else "1x32"  # older name
         self.check_finite = check_finite  # validated by the property's setter
         self._auto_recipe = AutoScaleBlocks("MXFP8MoE")
         self.num_shared_experts = num_shared_experts
@@ -427,6 +426,11 @@ class MXFP8MoE(nn.Module):
         return self._auto_recipe.for_forward(device)
 
     @property
+    def weight_blocks(self) -> str:
+        """The older name's view of ``scale_blocks``: ``"32x32"`` or ``"1x32"``."""
+        return "32x32" if self.scale_blocks == "32x32" else "1x32"
+
+    @property
     def group_align_rows(self) -> int:
         """Rows each expert group of the MXFP8 layout starts on (128 for the 1x128 recipe)."""
         return group_align_rows(self.resolved_scale_blocks())
@@ -466,7 +470,6 @@ class MXFP8MoE(nn.Module):
         requested = recorded.get("requested") if isinstance(recorded, dict) else None
         if self.scale_blocks == AUTO and requested not in (None, AUTO):
             self.scale_blocks = resolve_scale_blocks(requested, None, "MXFP8MoE checkpoint")
-            self.weight_blocks = requested if requested == "32x32" else "1x32"
             self._auto_recipe = AutoScaleBlocks("MXFP8MoE")
 
     def __getstate__(self) -> dict:
@@ -502,8 +505,9 @@ class MXFP8MoE(nn.Module):
         self.invalidate_weight_cache()  # the version bump would miss too; this frees memory
         return super()._load_from_state_dict(*args, **kwargs)
 
-    def _quantized_weights(self, x: torch.Tensor):
-        """The cached `routed_experts` ``weights_q`` of this forward, or None (no cache)."""
+    def _quantized_weights(self, x: torch.Tensor, recipe: str):
+        """The cached `routed_experts` ``weights_q`` of a forward with the resolved scale-block
+        ``recipe``, or None (no cache)."""
         if not (self.cache_weights and self.precision == "mxfp8" and WC.usable(x)):
             return None
         if self.w_gate_up.is_inference():  # made under torch.inference_mode: no version counter
@@ -511,8 +515,8 @@ class MXFP8MoE(nn.Module):
         if self._weight_cache is None:
             self._weight_cache = WC.WeightCache()
         get = self._weight_cache.get
-        gu_k, gu_n = get("w_gate_up", self.w_gate_up, self.resolved_scale_blocks(), self.backend)
-        dn_k, dn_n = get("w_down", self.w_down, self.resolved_scale_blocks(), self.backend)
+        gu_k, gu_n = get("w_gate_up", self.w_gate_up, recipe, self.backend)
+        dn_k, dn_n = get("w_down", self.w_down, recipe, self.backend)
         return gu_k, dn_k, gu_n, dn_n
 
     # -----------------------------------------------------------------------------------------
@@ -622,7 +626,7 @@ class MXFP8MoE(nn.Module):
             x_flat.to(COMPUTE_DTYPE), self.w_gate_up.to(COMPUTE_DTYPE),
             self.w_down.to(COMPUTE_DTYPE), weights, rows, src, offs,
             precision=self.precision, backend=self.backend, wgrad=self.wgrad,
-            scale_blocks=recipe, weights_q=self._quantized_weights(x),
+            scale_blocks=recipe, weights_q=self._quantized_weights(x, recipe),
         )
         return self._finish(out, x_flat, x)
 
