@@ -6,6 +6,10 @@ import os
 import socket
 import sys
 
+# gloo: CPU and the reference backend (CI); nccl: one GPU per rank and the GPU kernels
+DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+LAYER_BACKEND = {"cpu": "reference", "cuda": "auto"}
+
 
 def free_port() -> int:
     """A free TCP port on the loopback interface for the process group's rendezvous."""

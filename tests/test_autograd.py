@@ -13,6 +13,7 @@ import torch
 
 from moe_mxfp8 import grouped_mm
 from moe_mxfp8.autograd import WEIGHT_BLOCKS, WGRAD_MODES
+from tests.compare import sqnr_db
 
 OUT_MIN_DB = 27.0
 DGRAD_MIN_DB = 25.0
@@ -24,11 +25,6 @@ KERNEL_VS_REFERENCE_MIN_DB = 40.0
 BF16 = torch.bfloat16
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.double(), out.double()
-    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
 
 
 def split_rows(gen: torch.Generator, m: int, e: int, empty=(), device="cpu") -> torch.Tensor:

@@ -101,6 +101,21 @@ def fake_cuda(monkeypatch):
     _clear_device_caches()
 
 
+def _recording_get(seen: dict, fake):
+    """A compile cache's ``get`` stand-in: records the key into ``seen`` and returns a kernel
+    that records its launch stream and the device current at launch."""
+
+    def get(key, build, **kw):
+        seen["key"] = key
+
+        def kernel(*args):
+            seen["stream"], seen["current"] = args[-1], fake.current
+
+        return kernel
+
+    return get
+
+
 def _gemm_on(device_index: int, monkeypatch, fake):
     """One M-grouped sm90 launch through the real launcher for CPU operands described as living
     on ``cuda:<device_index>``; returns (cache key, launch stream, device current at launch)."""
@@ -113,17 +128,8 @@ def _gemm_on(device_index: int, monkeypatch, fake):
     desc = P.describe_m(a, b, offs, BF16)
     on_gpu = type(desc)(**{**vars(desc), "device": torch.device("cuda", device_index)})
     monkeypatch.setattr(launcher.P, "output", lambda p, out=None: torch.empty(p.out_shape))
-    seen = {}
-
-    def get(key, build, **kw):
-        seen["key"] = key
-
-        def kernel(*args):
-            seen["stream"], seen["current"] = args[-1], fake.current
-
-        return kernel
-
-    monkeypatch.setattr(launcher._CACHE, "get", get)
+    seen: dict = {}
+    monkeypatch.setattr(launcher._CACHE, "get", _recording_get(seen, fake))
     launcher.run(GroupedGemmSm90Host, on_gpu, a, b, offs)
     return seen
 
@@ -154,17 +160,8 @@ def test_quantizer_launches_on_the_operands_gpu(fake_cuda, monkeypatch):
     from moe_mxfp8.kernels import quantize_launch as Q
     from moe_mxfp8.kernels.quantize_config import QuantConfig
 
-    seen = {}
-
-    def get(key, build, **kw):
-        seen["key"] = key
-
-        def kernel(*args):
-            seen["stream"], seen["current"] = args[-1], fake_cuda.current
-
-        return kernel
-
-    monkeypatch.setattr(Q._cache, "get", get)
+    seen: dict = {}
+    monkeypatch.setattr(Q._cache, "get", _recording_get(seen, fake_cuda))
     x = SimpleNamespace(device=torch.device("cuda", 1), data_ptr=lambda: 4096)
     cfg = QuantConfig(dtype="bfloat16", rounding="rceil", k=64, rows=True, cols=False)
     Q._launch("quantize_rowwise", cfg, x, None, None, None, None, None, None, 128, 1, 0, 1)

@@ -33,7 +33,8 @@ import torch.multiprocessing as mp
 
 from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
 from moe_mxfp8 import expert_parallel as EP
-from tests.spawned import free_port, leave_worker
+from tests.compare import fwd_bwd, sqnr_db
+from tests.spawned import DEVICE, LAYER_BACKEND, free_port, leave_worker
 
 BF16 = torch.bfloat16
 DIM, HIDDEN, EXPERTS, TOP_K = 128, 128, 8, 2  # 128: a whole 1x128 block
@@ -55,14 +56,6 @@ TOKENS = {1: [112], 2: [72, 40], 4: [40, 0, 24, 56]}  # tokens per rank
 CASES_RUN = {1: CASES, 2: CASES, 4: CASES[:2]}  # world size 4: two cases (CI time)
 
 
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.double(), out.double()
-    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
-
-
-# gloo: CPU and the reference backend (CI); nccl: one GPU per rank and the GPU kernels
-DEVICE = {"gloo": "cpu", "nccl": "cuda"}
-LAYER_BACKEND = {"cpu": "reference", "cuda": "auto"}
 
 
 def _build(seed: int, ws: int, precision: str, opts: dict, device: str = "cpu"):
@@ -86,18 +79,10 @@ def _build(seed: int, ws: int, precision: str, opts: dict, device: str = "cpu"):
     return ref, x.to(device, BF16), dy.to(device, BF16), tokens
 
 
-def _fwd_bwd(layer, x, dy):
-    layer.zero_grad(set_to_none=True)
-    xa = x.clone().requires_grad_()
-    y = layer(xa)
-    (y.float() * dy.float()).sum().backward()
-    return y.detach(), xa.grad, {n: p.grad for n, p in layer.named_parameters()}
-
-
 def _check_case(rank: int, ws: int, seed: int, case, device: str = "cpu") -> None:
     precision, payload, grad_payload, opts = case
     ref, x, dy, tokens = _build(seed, ws, precision, opts, device)
-    y_ref, dx_ref, g_ref = _fwd_bwd(ref, x, dy)
+    y_ref, dx_ref, g_ref = fwd_bwd(ref, x, dy)
 
     group = dist.group.WORLD
     ep = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, precision=precision,
@@ -108,7 +93,7 @@ def _check_case(rank: int, ws: int, seed: int, case, device: str = "cpu") -> Non
     ep.load_state_dict(ref.state_dict())  # full checkpoint -> this rank's shard (load hook)
     lo = sum(tokens[:rank])
     sl = slice(lo, lo + tokens[rank])
-    y, dx, g = _fwd_bwd(ep, x[sl], dy[sl])
+    y, dx, g = fwd_bwd(ep, x[sl], dy[sl])
     EP.all_reduce_replicated_grads(ep)
 
     label = f"{device} ws={ws} rank={rank} {case}"
@@ -426,7 +411,7 @@ def test_grouped_experts_is_mxfp8moe_expert_path(gen):
         mx.router.weight[e - 1] -= 5 * mx.router.weight[e - 1].abs()  # a rarely used expert
     x = torch.randn(t, d, generator=gen).to(BF16)
     dy = torch.randn(t, d, generator=gen).to(BF16)
-    y_ref, dx_ref, g_ref = _fwd_bwd(mx, x, dy)
+    y_ref, dx_ref, g_ref = fwd_bwd(mx, x, dy)
 
     ex = MXFP8GroupedExperts(d, h, e, backend="reference", aligned_groups=True, dtype=BF16)
     with torch.no_grad():

@@ -29,19 +29,13 @@ from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import dcp as DCP
 from moe_mxfp8 import expert_parallel as EP
 from moe_mxfp8 import fsdp as FS
-from tests.spawned import free_port, leave_worker
+from tests.compare import fwd_bwd, sqnr_db
+from tests.spawned import DEVICE, LAYER_BACKEND, free_port, leave_worker
 
 BF16 = torch.bfloat16
 DIM, HIDDEN, EXPERTS, TOP_K = 64, 64, 8, 2
 TOKENS = {2: [40, 24], 4: [24, 8, 16, 32]}
 REPLICATED_MIN_DB = 40.0  # BF16 gradients summed per rank, then over ranks (as the EP test)
-DEVICE = {"gloo": "cpu", "nccl": "cuda"}
-LAYER_BACKEND = {"cpu": "reference", "cuda": "auto"}
-
-
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.double(), out.double()
-    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
 
 
 def _layer(device, **opts):
@@ -55,14 +49,6 @@ def _batch(seed, ws, device):
     x = torch.randn(sum(TOKENS[ws]), DIM).to(device, BF16)
     dy = torch.randn(sum(TOKENS[ws]), DIM).to(device, BF16)
     return ref, x, dy
-
-
-def _fwd_bwd(layer, x, dy):
-    layer.zero_grad(set_to_none=True)
-    xa = x.clone().requires_grad_()
-    y = layer(xa)
-    (y.float() * dy.float()).sum().backward()
-    return y.detach(), xa.grad, {n: p.grad for n, p in layer.named_parameters()}
 
 
 def _full(t):
@@ -79,8 +65,8 @@ def check_fsdp_alone(rank: int, ws: int, seed: int, device: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     ref, x, dy = _batch(seed, ws, device)
-    y_ref, dx_ref, _ = _fwd_bwd(ref, x, dy)
-    per_rank = [_fwd_bwd(ref, x[s], dy[s])[2] for s in _slices(ws)]  # each rank's own tokens
+    y_ref, dx_ref, _ = fwd_bwd(ref, x, dy)
+    per_rank = [fwd_bwd(ref, x[s], dy[s])[2] for s in _slices(ws)]  # each rank's own tokens
 
     layer = _layer(device)
     layer.load_state_dict(ref.state_dict())
@@ -88,7 +74,7 @@ def check_fsdp_alone(rank: int, ws: int, seed: int, device: str) -> None:
     FS.fully_shard_moe(layer, mesh)
     assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in layer.parameters())
     sl = _slices(ws)[rank]
-    y, dx, g = _fwd_bwd(layer, x[sl], dy[sl])
+    y, dx, g = fwd_bwd(layer, x[sl], dy[sl])
     assert torch.equal(y, y_ref[sl]) and torch.equal(dx, dx_ref[sl])
     for name, grad in g.items():
         want = sum(r[name] for r in per_rank) / ws  # two terms: one rounding, exact halving
@@ -112,18 +98,18 @@ def check_fsdp_ep(rank: int, ws: int, seed: int, device: str) -> None:
 
     ep = 2
     ref, x, dy = _batch(seed, ws, device)
-    y_ref, dx_ref, g_ref = _fwd_bwd(ref, x, dy)
+    y_ref, dx_ref, g_ref = fwd_bwd(ref, x, dy)
     sls = _slices(ws)
     # the single-process layer on each EP group's tokens (what the all-to-all brings together)
     group_tokens = [slice(sls[d * ep].start, sls[d * ep + ep - 1].stop) for d in range(ws // ep)]
-    per_group = [_fwd_bwd(ref, x[s], dy[s])[2] for s in group_tokens]
+    per_group = [fwd_bwd(ref, x[s], dy[s])[2] for s in group_tokens]
 
     mesh = init_device_mesh(device, (ws // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
     layer = _layer(device, ep_group=mesh["ep"].get_group(), ep_payload="bf16")
     layer.load_state_dict(ref.state_dict())  # full checkpoint -> this rank's experts
     FS.fully_shard_moe(layer, ep_dp_mesh=mesh["dp_mod_ep"], world_size=ws)
     sl = sls[rank]
-    y, dx, g = _fwd_bwd(layer, x[sl], dy[sl])
+    y, dx, g = fwd_bwd(layer, x[sl], dy[sl])
     FS.reduce_replicated_grads(layer)
     assert torch.equal(y, y_ref[sl]) and torch.equal(dx, dx_ref[sl])
     e_local = EXPERTS // ep

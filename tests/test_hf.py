@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.compare import fwd_bwd, sqnr_db
+
 transformers = pytest.importorskip("transformers", minversion="5.0",
                                    reason="transformers >= 5.0 is not installed")
 
@@ -26,11 +28,6 @@ DIM, HIDDEN, EXPERTS, TOP_K, LAYERS, VOCAB = 64, 64, 8, 2, 2, 128
 # for the block output, input and every parameter gradient (router included) on 280 tokens.
 OUT_MIN_DB = 21.0
 GRAD_MIN_DB = 20.0
-
-
-def sqnr_db(ref, out):
-    ref, out = ref.double(), out.double()
-    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
 
 
 def qwen3_moe_config(dim=DIM):
@@ -60,14 +57,6 @@ def build(name, gen, **config_overrides):
     return model_class()(config(**config_overrides)).eval()
 
 
-def _fwd_bwd(block, x, dy):
-    block.zero_grad(set_to_none=True)
-    xa = x.clone().requires_grad_()
-    y = block(xa)
-    (y.float() * dy.float()).sum().backward()
-    return y.detach(), xa.grad, {n: p.grad.clone() for n, p in block.named_parameters()}
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_swapped_moe_block_matches_the_original(name, gen):
     model = build(name, gen)
@@ -87,8 +76,8 @@ def test_swapped_moe_block_matches_the_original(name, gen):
 
     x = torch.randn(4, 70, DIM, generator=gen)
     dy = torch.randn(4, 70, DIM, generator=gen)
-    y_ref, dx_ref, g_ref = _fwd_bwd(model.model.layers[0].mlp, x, dy)
-    y, dx, g = _fwd_bwd(mx.model.layers[0].mlp, x, dy)
+    y_ref, dx_ref, g_ref = fwd_bwd(model.model.layers[0].mlp, x, dy)
+    y, dx, g = fwd_bwd(mx.model.layers[0].mlp, x, dy)
     assert y.dtype == y_ref.dtype and g.keys() == g_ref.keys()
     dbs = {"y": sqnr_db(y_ref, y), "dx": sqnr_db(dx_ref, dx)}
     dbs.update({n: sqnr_db(g_ref[n], g[n]) for n in g_ref})  # the router's gradient included
@@ -182,8 +171,8 @@ def test_swapped_block_on_the_gpu_matches_the_original(name, gen):
     swap_experts(mx, backend="auto")
     x = torch.randn(4, 512, DIM, generator=gen).cuda()
     dy = torch.randn(4, 512, DIM, generator=gen).cuda()
-    y_ref, dx_ref, g_ref = _fwd_bwd(model.model.layers[0].mlp, x, dy)
-    y, dx, g = _fwd_bwd(mx.model.layers[0].mlp, x, dy)
+    y_ref, dx_ref, g_ref = fwd_bwd(model.model.layers[0].mlp, x, dy)
+    y, dx, g = fwd_bwd(mx.model.layers[0].mlp, x, dy)
     dbs = {"y": sqnr_db(y_ref, y), "dx": sqnr_db(dx_ref, dx)}
     dbs.update({n: sqnr_db(g_ref[n], g[n]) for n in g_ref})
     print({k: round(v, 1) for k, v in dbs.items()})

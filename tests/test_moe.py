@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
+from tests.compare import sqnr_db
 
 OUT_MIN_DB = 23.0
 INPUT_GRAD_MIN_DB = 22.5  # no shared expert: measured 23.2-23.6 dB (see the module docstring)
@@ -43,11 +44,6 @@ PARAM_NAMES = ["router.weight", "w_gate_up", "w_down"]
 SHARED_PARAM_NAMES = ["shared_w_gate_up", "shared_w_down"]
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.double(), out.double()
-    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ import copy
 import pytest
 import torch
 
+from tests.compare import fwd_bwd, sqnr_db
+
 titan = pytest.importorskip("torchtitan.models.common.moe",
                             reason="torchtitan (>= 0.3) is not importable")
 from torchtitan.models.common.linear import Linear  # noqa: E402
@@ -25,11 +27,6 @@ DIM, HIDDEN, EXPERTS, TOP_K = 64, 64, 8, 2
 # 23.1-23.6 dB on 560 tokens); the layer output adds the BF16 routing on top.
 OUT_MIN_DB = 21.0
 GRAD_MIN_DB = 20.0  # expert weight gradients (MXFP8 wgrad): measured 23.1-23.6 dB here
-
-
-def sqnr_db(ref, out):
-    ref, out = ref.double(), out.double()
-    return (20 * torch.log10(ref.norm() / (ref - out).norm())).item()
 
 
 def build_moe(seed):
@@ -51,14 +48,6 @@ def build_moe(seed):
     return moe
 
 
-def _fwd_bwd(moe, x, dy):
-    moe.zero_grad(set_to_none=True)
-    xa = x.clone().requires_grad_()
-    y = moe(xa)
-    (y.float() * dy.float()).sum().backward()
-    return y.detach(), xa.grad, {n: p.grad.clone() for n, p in moe.named_parameters()}
-
-
 def test_swapped_torchtitan_moe_matches_its_bf16_module(gen):
     moe = build_moe(int(torch.randint(2**31, (1,), generator=gen)))
     mx = copy.deepcopy(moe)
@@ -72,8 +61,8 @@ def test_swapped_torchtitan_moe_matches_its_bf16_module(gen):
 
     x = torch.randn(4, 70, DIM, generator=gen)
     dy = torch.randn(4, 70, DIM, generator=gen)
-    y_ref, dx_ref, g_ref = _fwd_bwd(moe, x, dy)
-    y, dx, g = _fwd_bwd(mx, x, dy)
+    y_ref, dx_ref, g_ref = fwd_bwd(moe, x, dy)
+    y, dx, g = fwd_bwd(mx, x, dy)
     dbs = {"y": sqnr_db(y_ref, y), "dx": sqnr_db(dx_ref, dx)}
     dbs.update({n: sqnr_db(g_ref[n], g[n]) for n in g_ref if "inner_experts" in n})
     print({k: round(v, 1) for k, v in dbs.items()})
