@@ -122,10 +122,9 @@ def check_layout(who: str, like: Tensor, m: int, *, rows: Tensor | None = None,
     if src is not None and src.numel() != m:
         raise ValueError(f"{who}: src has {src.numel()} rows but the sorted buffer has {m}")
     if offs is not None:
-        C.check_offs(offs, m, values=False)
+        C.check_offs(offs, m)
         if offs.device != like.device:
             raise ValueError(f"{who}: offs is on {offs.device} but the data is on {like.device}")
-        C.check_offs(offs, m)
     for name, t, lo, hi in (("rows", rows, 0, m), ("src", src, -1, pairs)):
         if t is None or hi is None or not C.values_on_host(t) or t.numel() == 0:
             continue
