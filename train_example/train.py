@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-blocks", "--weight-blocks", dest="scale_blocks",
                    choices=(AUTO, *SCALE_BLOCKS), default=AUTO,
                    help="scale blocks of the MXFP8 expert GEMMs (mxfp8 only): auto (default: "
-                        "the recipe of the GPU, 1x128 on Hopper, 1x32 on Blackwell and CPUs), "
+                        "the device's recipe, moe_mxfp8.backend.auto_scale_blocks), "
                         "1x32 (exact MXFP8), 32x32 (32x32 weight tiles) or 1x128 (the 1x128 "
                         "recipe); --weight-blocks is its older name")
     p.add_argument("--batch-size", type=pos, default=None)
