@@ -157,6 +157,18 @@ def ema(values: list[float], beta: float) -> list[float]:
     return out
 
 
+def val_tail(log: list[dict], steps: int) -> list[dict]:
+    """The rows of ``log`` holding the evaluations in the last 10% of the ``steps``."""
+    tail_from = steps - max(1, math.ceil(0.1 * steps))
+    return [r for r in log if r["step"] > tail_from and r["val_loss"] is not None]
+
+
+def final_val(log: list[dict], steps: int) -> float:
+    """Criterion 1's final loss: the mean validation loss over the last 10% of steps."""
+    tail = val_tail(log, steps)
+    return sum(r["val_loss"] for r in tail) / len(tail)
+
+
 def rel(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else (a - b) / b
 
@@ -179,10 +191,7 @@ def compare(logs: dict[str, list[dict]], steps: int, warmup: int, args) -> tuple
             "val_rel_diff": rel(rm["val_loss"], rb["val_loss"]),
         })
 
-    tail_from = steps - max(1, math.ceil(0.1 * steps))  # evaluations at steps > tail_from
-    tail = [r for r in rows if r["step"] > tail_from and r["bf16_val"] is not None]
-    final_b = sum(r["bf16_val"] for r in tail) / len(tail)
-    final_m = sum(r["mxfp8_val"] for r in tail) / len(tail)
+    final_b, final_m = final_val(b, steps), final_val(m, steps)
     final_rel = rel(final_m, final_b)
 
     after = [r for r in rows if r["step"] > warmup]
@@ -196,7 +205,7 @@ def compare(logs: dict[str, list[dict]], steps: int, warmup: int, args) -> tuple
         "final": {
             "pass": final_ok, "tolerance": args.final_tol, "rel_diff": final_rel,
             "bf16_mean_val_loss": final_b, "mxfp8_mean_val_loss": final_m,
-            "steps": [r["step"] for r in tail],
+            "steps": [r["step"] for r in val_tail(b, steps)],
         },
         "curve": {
             "pass": curve_ok, "tolerance": args.curve_tol, "after_step": warmup,

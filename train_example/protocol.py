@@ -66,13 +66,6 @@ def run_name(recipe: str) -> str:
     return f"mxfp8-{recipe}"
 
 
-def final_val(log: list[dict], steps: int) -> float:
-    """Criterion 1's final loss: the mean validation loss over the last 10% of steps."""
-    tail_from = steps - max(1, math.ceil(0.1 * steps))
-    vals = [r["val_loss"] for r in log if r["step"] > tail_from and r["val_loss"] is not None]
-    return sum(vals) / len(vals)
-
-
 def ema_after_warmup(ema: list[float], log: list[dict], warmup: int) -> float:
     """The EMA train curve averaged over the steps after warm-up."""
     after = [e for e, r in zip(ema, log, strict=True) if r["step"] > warmup]
@@ -95,7 +88,7 @@ def verdict(bf16: dict, mx: dict, diff: dict, final_tol: float, ci_tol: float) -
 def evaluate(logs: dict[int, dict[str, list[dict]]], recipes: list[str], steps: int,
              warmup: int, args) -> tuple[dict, list[dict]]:
     """``logs[seed][run name]`` -> (the protocol's numbers, the per-step band rows)."""
-    from .parity import ema  # noqa: PLC0415  (parity imports this module lazily)
+    from .parity import ema, final_val  # noqa: PLC0415  (parity imports this module lazily)
 
     seeds = sorted(logs)
     names = [BF16, *map(run_name, recipes)]

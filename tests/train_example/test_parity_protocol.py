@@ -94,8 +94,8 @@ def test_protocol_end_to_end(tmp_path, capsys):
     assert summary["pass"] == st["verdict"]["pass"] == (rc == 0) and rc in (0, 1)
     assert st["resolved"] == "1x128"
     # the paired differences are the per-seed final losses' (criterion 1 of the single run)
-    bf = [PR.final_val(logs[s]["bf16"], STEPS) for s in (0, 1)]
-    mx = [PR.final_val(logs[s]["mxfp8-1x128"], STEPS) for s in (0, 1)]
+    bf = [parity.final_val(logs[s]["bf16"], STEPS) for s in (0, 1)]
+    mx = [parity.final_val(logs[s]["mxfp8-1x128"], STEPS) for s in (0, 1)]
     assert proto["bf16"]["final_val_loss"]["per_seed"] == bf
     assert st["paired_rel_diff_final_val"]["per_seed"] == [(m - b) / b for m, b in
                                                            zip(mx, bf, strict=True)]
