@@ -33,9 +33,8 @@ def _check_common(fn: str, name: str, x: torch.Tensor, ndim, rounding: str, scal
     C.check_rounding(rounding)
     C.check_scale_layout(scale_layout)
     if offs is not None:
-        C.check_offs(offs, x.shape[0], values=False)  # a tensor of the right kind first
+        C.check_offs(offs, x.shape[0])  # values only where they live on the host (no GPU sync)
         C.check_same_device(**{name: x, "offs": offs})
-        C.check_offs(offs, x.shape[0])  # its values where they live on the host (no GPU sync)
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
