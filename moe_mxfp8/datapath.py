@@ -100,38 +100,42 @@ def route_layout(expert_ids: Tensor, counts: Tensor, align: int) -> tuple[Tensor
     return rows.to(torch.int32).reshape(t, k), src.to(torch.int32), offs.to(torch.int32)
 
 
+def check_index(who: str, name: str, t, ndim: int, like: Tensor, lo: int = 0,
+                hi: int | None = None) -> None:
+    """An index tensor of the data path (``rows``, ``src``, the EP payload's row index): int32
+    (route_layout's) or int64, ``ndim``-D on ``like``'s device, any strides (the kernels read
+    dense copies). Its values, in ``[lo, hi)``, are read only where that costs no device sync
+    (CPU tensors): the rule depends on the device, not the backend."""
+    if not isinstance(t, Tensor) or t.dtype not in INDEX_DTYPES:
+        what = t.dtype if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"{who}: {name} must be an int32 or int64 tensor, got {what}")
+    if t.dim() != ndim or t.device != like.device:
+        raise ValueError(f"{who}: {name} must be {ndim}D on {like.device}, got shape "
+                         f"{tuple(t.shape)} on {t.device}")
+    if hi is None or t.numel() == 0 or not C.values_on_host(t):
+        return
+    t_min, t_max = int(t.min()), int(t.max())
+    if t_min < lo or t_max >= hi:
+        raise ValueError(f"{who}: {name} values must lie in [{lo}, {hi}), got "
+                         f"[{t_min}, {t_max}]")
+
+
 def check_layout(who: str, like: Tensor, m: int, *, rows: Tensor | None = None,
                  src: Tensor | None = None, offs: Tensor | None = None,
                  pairs: int | None = None) -> None:
     """The index tensors of a `route_layout` layout of ``m`` sorted rows, as the stage ``who``
-    gets them: on ``like``'s device, ``rows (T, k)`` and ``src (m,)`` int32 (or int64), ``offs``
-    (the one `checks.check_offs`, last == m). Any strides (the kernels read dense copies). Values
-    -- ``rows`` in ``[0, m)``, ``src`` in ``[-1, pairs)`` -- are read only where that costs no
-    device sync (CPU tensors), as for ``offs``: the rule depends on the device, not the backend.
-    """
-    for name, t, ndim in (("rows", rows, 2), ("src", src, 1)):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor) or t.dtype not in INDEX_DTYPES:
-            what = t.dtype if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(f"{who}: {name} must be an int32 (route_layout's) or int64 tensor, "
-                            f"got {what}")
-        if t.dim() != ndim or t.device != like.device:
-            raise ValueError(f"{who}: {name} must be {ndim}D on {like.device}, got shape "
-                             f"{tuple(t.shape)} on {t.device}")
-    if src is not None and src.numel() != m:
-        raise ValueError(f"{who}: src has {src.numel()} rows but the sorted buffer has {m}")
+    gets them (`check_index`): ``rows (T, k)`` in ``[0, m)``, ``src (m,)`` in ``[-1, pairs)``,
+    ``offs`` (the one `checks.check_offs`, last == m), all on ``like``'s device."""
+    if rows is not None:
+        check_index(who, "rows", rows, 2, like, 0, m)
+    if src is not None:
+        check_index(who, "src", src, 1, like, -1, pairs)
+        if src.numel() != m:
+            raise ValueError(f"{who}: src has {src.numel()} rows but the sorted buffer has {m}")
     if offs is not None:
         C.check_offs(offs, m)
         if offs.device != like.device:
             raise ValueError(f"{who}: offs is on {offs.device} but the data is on {like.device}")
-    for name, t, lo, hi in (("rows", rows, 0, m), ("src", src, -1, pairs)):
-        if t is None or hi is None or not C.values_on_host(t) or t.numel() == 0:
-            continue
-        bad = int(t.min()) < lo or int(t.max()) >= hi
-        if bad:
-            raise ValueError(f"{who}: {name} values must lie in [{lo}, {hi}), got "
-                             f"[{int(t.min())}, {int(t.max())}]")
 
 
 def _numel(t) -> int:

@@ -68,7 +68,6 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
-from . import checks as C
 from . import datapath as DP
 from . import layout as L
 from .checks import COMPUTE_DTYPE
@@ -186,27 +185,11 @@ def _all_to_all(send: Tensor, out_rows: int, out_splits, in_splits, group) -> Te
     return out
 
 
-def _check_row_index(who: str, index: Tensor, x: Tensor) -> None:
-    """``index``: a 1D integer tensor of rows of ``x`` on its device (any strides: the kernel
-    reads a dense copy); its values, in ``[0, T)``, only where reading them costs no sync."""
-    if not isinstance(index, Tensor) or index.dtype not in (torch.int32, torch.int64):
-        what = index.dtype if isinstance(index, Tensor) else type(index).__name__
-        raise TypeError(f"{who}: index must be an int32 or int64 tensor, got {what}")
-    if index.dim() != 1 or index.device != x.device:
-        raise ValueError(f"{who}: index must be 1D on {x.device}, got shape "
-                         f"{tuple(index.shape)} on {index.device}")
-    if index.numel() and C.values_on_host(index):
-        lo, hi = int(index.min()), int(index.max())
-        if lo < 0 or hi >= x.shape[0]:
-            raise ValueError(f"{who}: index values must lie in [0, {x.shape[0]}), got "
-                             f"[{lo}, {hi}]")
-
-
 def pack_mxfp8_rows(x: Tensor, index: Tensor, backend: str) -> Tensor:
     """Rows ``x[index]`` of ``x (T, D)``, quantized rowwise, as uint8 payload rows ``[D E4M3
     bytes | D/32 E8M0 scale bytes]`` ``(len(index), D + D/32)``: one Triton kernel on CUDA
     (gather, quantize and pack in one pass), `pack_mxfp8_rows_ref` otherwise."""
-    _check_row_index("pack_mxfp8_rows", index, x)
+    DP.check_index("pack_mxfp8_rows", "index", index, 1, x, 0, x.shape[0])
     x = x.detach().to(COMPUTE_DTYPE).contiguous()
     if DP.use_triton(x, backend):
         from .kernels import ep_payload_triton
