@@ -144,7 +144,23 @@ def _gpu_sleep_cycles(ms: float) -> int:
     return int(probe * ms / max(start.elapsed_time(end), 1e-3))
 
 
-def host_time(step, reps: int = 7, profile_top: int = 0) -> dict:
+class _OpCounter:
+    """Counts the torch (aten and custom) ops dispatched while active, by name."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict[str, int] = defaultdict(int)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[str(func.overloadpacket)] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.counts, self.mode = counts, Mode()
+
+
+def host_time(step, reps: int = 7, profile_top: int = 0, count_ops: bool = False) -> dict:
     """Host time of one ``step()`` while the GPU is busy ahead of it: a long GPU sleep is
     queued first, so no launch waits for the GPU and the time is the CPU's (Python, torch
     dispatch, custom ops, Triton's and the ctypes launchers, the driver's launch calls).
@@ -153,7 +169,8 @@ def host_time(step, reps: int = 7, profile_top: int = 0) -> dict:
     thread); ``gpu_busy``: the sleep was still running when every step's launches had
     returned (else the sleep was too short and a launch may have waited). ``profile_top``:
     also a cProfile of the launches (backward in the calling thread for it), top functions
-    by own time."""
+    by own time. ``count_ops``: also the torch ops one step dispatches (``ops`` total,
+    ``op_counts`` by name), each a kernel launch, an allocation or a view on the host."""
     step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -186,6 +203,13 @@ def host_time(step, reps: int = 7, profile_top: int = 0) -> dict:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile_top)
         res["profile"] = out.getvalue()
+    if count_ops:
+        counter = _OpCounter()
+        with torch.autograd.set_multithreading_enabled(False), counter.mode:
+            step()
+        torch.cuda.synchronize()
+        res["ops"] = sum(counter.counts.values())
+        res["op_counts"] = dict(sorted(counter.counts.items(), key=lambda kv: -kv[1]))
     return res
 
 
@@ -334,6 +358,11 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
             fresh_memory(*models.values())
             mem[name] = memory_profile(m, xs, dy)
             print_memory(shape.name, name, mem[name])
+    if args.compile:
+        # saved bytes and memory above are eager; the timed steps run the same modules (the
+        # same parameters) behind torch.compile, the twin and the MXFP8 layers in one mode
+        models = {name: torch.compile(m, mode=None if args.compile == "default" else args.compile)
+                  for name, m in models.items()}
     rows = []
     for backward in [p == "fwd+bwd" for p in args.passes.split(",")]:
         res = {}
@@ -361,11 +390,15 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
             if backward and args.breakdown:
                 res[name + "_breakdown"] = phase_breakdown(step)
             if backward and args.host_time:
-                res[name + "_host"] = host_time(step, profile_top=args.host_profile)
+                res[name + "_host"] = host_time(step, profile_top=args.host_profile,
+                                                count_ops=args.host_ops)
                 h = res[name + "_host"]
                 print(f"  host {shape.name} {name}: {h['wall_ms']:.2f} ms wall, {h['cpu_ms']:.2f} "
                       f"ms CPU per step of {args.accumulate} fwd+bwd (GPU busy throughout: "
                       f"{h['gpu_busy']})", flush=True)
+                if "ops" in h:
+                    top = ", ".join(f"{k} {v}" for k, v in list(h["op_counts"].items())[:40])
+                    print(f"    {h['ops']} torch ops per step: {top}", flush=True)
                 if "profile" in h:
                     print(h.pop("profile"))
         flops = shape.gemm_flops(backward)
@@ -457,6 +490,11 @@ def main() -> None:
                     help="host time per fwd+bwd step, launched while the GPU is busy")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --host-time: the top N functions of a cProfile of the launches")
+    ap.add_argument("--host-ops", action="store_true",
+                    help="with --host-time: count the torch ops one step dispatches")
+    ap.add_argument("--compile", default=None,
+                    choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                    help="time torch.compile(layer, mode=...) for the twin and the MXFP8 layers")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()

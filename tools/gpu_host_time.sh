@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
-# One device call (at most 9 minutes on an H100): the weight cache's GPU tests; the host time of
-# one forward+backward launched while the GPU is busy, at a small (E 64, T 4096, D 1024, H 512,
-# top-4) and a large shape (mixtral), both recipes and the BF16 twin, with a cProfile of the
-# launches; then mixtral's 1x128 layer with cache_weights off and on, one micro-batch per step
-# and four (gradient accumulation). The later runs reuse the kernels the first one compiled.
+# One device call (at most 10 minutes on an H100): the layer's host time per forward+backward,
+# launched while the GPU is busy, at a small (E 64, T 4096, D 1024, H 512, top-4) and a large
+# shape (mixtral), both recipes and the BF16 twin: eager in a process that loads the kernels
+# the first process compiled (their native launch), with the torch ops each step dispatches and
+# a cProfile; then the same under torch.compile(mode="reduce-overhead") (CUDA-graph replays);
+# then the GPU tests of the CUDA-graph path and of the quantizer kernels.
 #   run  carry=[".devsite", ".pyt"]  command: bash tools/gpu_host_time.sh
 set -uo pipefail
 source tools/device_prelude.sh name,driver_version
-echo "== weight cache (GPU tests)"
-timeout 90 python -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_weight_cache.py \
-  > "$OUT/tests_weight_cache.txt" 2>&1
-echo "rc=$? (${SECONDS}s)"; tail -3 "$OUT/tests_weight_cache.txt"
-echo "== host time per forward+backward, GPU busy ahead (${SECONDS}s)"
-timeout "${HOST_TIMEOUT:-240}" python -m benchmarks.bench_moe_layer --shapes small,mixtral \
-  --skews 0 --passes fwd+bwd --scale-blocks 1x32,1x128 --no-breakdown --reps 3 --host-time \
-  --host-profile 30 --json "$OUT/host_time.json" 2>&1 | grep -v "Warn\|range_const" \
-  > "$OUT/host_time.txt"
-echo "rc=$? (${SECONDS}s)"; grep "^  host \|host ms per step" "$OUT/host_time.txt"
-for acc in 1 4; do
-  echo "== mixtral 1x128, cache_weights 0,1, ${acc} micro-batch(es) per step (${SECONDS}s)"
-  timeout $((75 + 15 * acc)) python -m benchmarks.bench_moe_layer --shapes mixtral --skews 0 \
-    --passes fwd+bwd --scale-blocks 1x128 --cache-weights 0,1 --accumulate "$acc" \
-    --no-breakdown --reps 3 --json "$OUT/cache_acc${acc}.json" 2>&1 \
-    | grep -v "Warn\|range_const" > "$OUT/cache_acc${acc}.txt"
-  echo "rc=$? (${SECONDS}s)"; grep -A3 "^mixtral" "$OUT/cache_acc${acc}.txt" | grep -v "^--"
-done
+LAYER=(python -m benchmarks.bench_moe_layer --shapes "${SHAPES:-small,mixtral}" --skews 0
+       --passes fwd+bwd --scale-blocks 1x32,1x128 --no-breakdown --reps 3)
+quiet() { grep -v "Warn\|range_const"; }
+echo "== compile the kernels (first process) (${SECONDS}s)"
+timeout 150 "${LAYER[@]}" 2>&1 | quiet > "$OUT/warm.txt"
+echo "rc=$? (${SECONDS}s)"; grep -E "^ +(small|mixtral)" "$OUT/warm.txt"
+echo "== host time, eager, a second process (${SECONDS}s)"
+timeout 120 "${LAYER[@]}" --host-time --host-ops --host-profile 25 \
+  --json "$OUT/host_eager.json" 2>&1 | quiet > "$OUT/host_eager.txt"
+echo "rc=$? (${SECONDS}s)"; grep -E "^  host |torch ops per step|^ +(small|mixtral) " \
+  "$OUT/host_eager.txt" | cut -c1-400
+echo "== host time and step time under torch.compile(mode=reduce-overhead) (${SECONDS}s)"
+timeout 200 "${LAYER[@]}" --host-time --compile reduce-overhead \
+  --json "$OUT/host_graphs.json" 2>&1 | quiet > "$OUT/host_graphs.txt"
+echo "rc=$? (${SECONDS}s)"; grep -E "^  host |^ +(small|mixtral) " "$OUT/host_graphs.txt"
+echo "== GPU tests: the CUDA-graph path, the weight cache, the quantizer kernels (${SECONDS}s)"
+timeout $((590 - SECONDS)) python -m pytest -q -m gpu -p no:cacheprovider -rf \
+  tests/test_host_path.py tests/kernels/test_quantize_kernels.py tests/test_weight_cache.py \
+  > "$OUT/tests.txt" 2>&1
+echo "rc=$? (${SECONDS}s)"; tail -5 "$OUT/tests.txt"
