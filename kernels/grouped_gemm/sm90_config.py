@@ -21,6 +21,11 @@ TILE_M = 128  # two consumer warpgroups of 64 rows; one packed scale tile's 128 
 TILE_N = 128  # the wgmma's N: one packed scale tile of B per k-tile
 TILE_NS = (TILE_N, 2 * TILE_N)  # output tile widths: one or two wgmma column halves
 RASTER_BAND = 16  # rows of tiles per raster band of the 1x128 kernels (docs/design/hopper_gemm.md)
+# 1x128: 256-column tiles pay only over a long reduction per tile. At Qwen3-30B-A3B shapes on an
+# H100 (2026-11-26) 128-column tiles were 6 % faster at dgrad (reduced axis 1536) and 7-8 % at
+# wgrad (1024 tokens per expert), level at fprop (2048); wider tiles won at dsv3 and mixtral
+# (4096 and more). The reduced length per tile from which `select_config` takes 256 columns:
+WIDE_TILE_MIN_REDUCTION = 2048
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class GroupedGemmSm90Config:
     # only: two column halves sharing the A tile, one temporary reused for both halves, so
     # the A tile is loaded half as often per output and the per-tile cost is amortised over
     # twice the work; `select_config` picks 256 for the 1x128 recipe when the output has more
-    # than 128 columns)
+    # than 128 columns and the reduction per tile is long enough: WIDE_TILE_MIN_REDUCTION)
     tile_n: int = TILE_N
     # raster band: the schedule walks bands of this many rows of tiles, x-tile by x-tile (a
     # cluster's tiles together) with the band's rows fastest, so the CTAs running at once
@@ -101,6 +106,14 @@ TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(GroupedGemmSm90Config)
                       if f.name not in ("mode", "n", "k", "out_dtype", "scale_blocks"))
 
 
+def reduction_per_tile(problem: GroupedProblem) -> int:
+    """The reduced length an output tile walks: ``k`` M-grouped; K-grouped the mean group's
+    token count (the groups' sizes live on the device; their mean is ``m / E``)."""
+    if problem.mode == MODE_M:
+        return problem.k
+    return problem.m // max(problem.num_groups, 1)
+
+
 def can_cluster(mode: str, n: int, k: int, cluster_n: int, tile_n: int = TILE_N) -> bool:
     """Whether output tiles along the fast axis pair up evenly into clusters of ``cluster_n``
     CTAs (the cluster's CTAs must share every tile's A rows)."""
@@ -122,11 +135,13 @@ class GroupedGemmSm90Host(GroupedGemmHost):
     @classmethod
     def select_config(cls, problem: GroupedProblem, tuning: dict | None = None):
         """The configuration: the problem's static part; for the 1x128 recipe 256-column
-        tiles (more than 128 output columns), raster bands of RASTER_BAND rows of tiles and,
-        K-grouped, 2-CTA clusters where the tiles pair up; then ``tuning``'s overrides
+        tiles (more than 128 output columns and at least WIDE_TILE_MIN_REDUCTION reduced
+        elements per tile: `reduction_per_tile`), raster bands of RASTER_BAND rows of tiles
+        and, K-grouped, 2-CTA clusters where the tiles pair up; then ``tuning``'s overrides
         (benchmarks)."""
         k128 = problem.scale_blocks == "1x128"
-        wide = k128 and output_columns(problem.mode, problem.n, problem.k) > TILE_N
+        wide = (k128 and output_columns(problem.mode, problem.n, problem.k) > TILE_N
+                and reduction_per_tile(problem) >= WIDE_TILE_MIN_REDUCTION)
         fields: dict[str, Any] = dict(cluster_n=2 if problem.mode != MODE_M and k128 else 1,
                       tile_n=TILE_NS[1] if wide else TILE_N,
                       band_m=RASTER_BAND if k128 else 1)

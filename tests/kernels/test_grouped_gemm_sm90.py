@@ -411,19 +411,23 @@ def test_1x128_wide_tile_equals_narrow_tile(op, grouping):
 
 
 def test_select_config_tile_width():
-    """The 1x128 kernels take 256-column tiles when the output has more than 128 columns and
-    raster bands, K-grouped 2-CTA clusters where the tiles pair up; the other recipes
-    128-column tiles row by row; bad widths and bands are refused."""
-    pytest.importorskip("cutlass")
+    """The 1x128 kernels take 256-column tiles when the output has more than 128 columns and a
+    tile reduces over at least WIDE_TILE_MIN_REDUCTION elements (``k`` M-grouped, the mean
+    tokens per group K-grouped), raster bands, K-grouped 2-CTA clusters where the tiles pair
+    up; the other recipes 128-column tiles row by row; bad widths and bands are refused."""
     from moe_mxfp8.kernels.grouped_gemm import problem as P
-    from moe_mxfp8.kernels.grouped_gemm import sm90
+    from moe_mxfp8.kernels.grouped_gemm import sm90_config as sm90
 
-    def cfg(mode, cols, blocks, tuning=None):  # cols: output columns (the tiles' x extent)
-        n, k = (cols, 512) if mode == "m" else (512, cols)
-        p = P.GroupedProblem(mode=mode, m=256, n=n, k=k, num_groups=2,
+    long = sm90.WIDE_TILE_MIN_REDUCTION
+
+    def cfg(mode, cols, blocks, tuning=None, red=long, groups=2):
+        # cols: output columns (the tiles' x extent); red: the reduction per tile
+        n, k = (cols, red) if mode == "m" else (512, cols)
+        m = 256 if mode == "m" else red * groups
+        p = P.GroupedProblem(mode=mode, m=m, n=n, k=k, num_groups=groups,
                              out_dtype=torch.bfloat16, scale_blocks=blocks,
                              device=torch.device("cpu"))
-        return sm90.GroupedGemmSm90.select_config(p, tuning)
+        return sm90.GroupedGemmSm90Host.select_config(p, tuning)
 
     def shape(c):
         return c.tile_n, c.band_m, c.cluster_n
@@ -437,6 +441,11 @@ def test_select_config_tile_width():
     assert shape(cfg("k", 640, "1x128")) == (256, sm90.RASTER_BAND, 1)  # 3 tiles: no pairs
     assert shape(cfg("m", 4096, "1x128", {"cluster_n": 2})) == (256, sm90.RASTER_BAND, 2)
     assert shape(cfg("m", 4096, "1x128", {"tile_n": 128})) == (128, sm90.RASTER_BAND, 1)
+    # short reductions (Qwen3-30B-A3B: dgrad over 1536, wgrad over 1024 tokens per expert)
+    assert shape(cfg("m", 2048, "1x128", red=1536)) == (128, sm90.RASTER_BAND, 1)
+    assert shape(cfg("k", 2048, "1x128", red=1024, groups=128)) == (128, sm90.RASTER_BAND, 2)
+    assert shape(cfg("k", 2048, "1x128", red=long, groups=128)) == (256, sm90.RASTER_BAND, 2)
+    assert shape(cfg("m", 2048, "1x128", {"tile_n": 256}, red=768)) == (256, sm90.RASTER_BAND, 1)
     with pytest.raises(ValueError, match="band_m"):
         sm90.GroupedGemmSm90Config("k", 256, 256, scale_blocks="1x128", band_m=0)
     with pytest.raises(ValueError, match="tile_n must be one of"):
