@@ -10,19 +10,21 @@ call and torchtitan's parameter names and shapes, so it swaps in for ``GroupedEx
     w3  (E, H, D)   up projection       out = h w2^T
     w2  (E, D, H)   down projection
 
-Forward: ``offs = cumsum(num_tokens_per_expert)`` (int32, on the device, no host sync); gate and
-up run as one MXFP8 grouped GEMM with ``N = 2H`` over ``[w1; w3]`` (concatenated per call: the
-quantizer reads the weights once either way), then the down GEMM; ``out`` has ``x``'s dtype.
+Forward: the expert block of `MXFP8MoE` (`moe_mxfp8.datapath.routed_experts`: dispatch with
+its MXFP8 copies, the gate/up GEMM over ``[w1; w3]`` with ``N = 2H``, SwiGLU fused with the
+quantization of its output, the down GEMM, the combine), each row a token routed to its own
+group with weight 1, so both recipes (``scale_blocks`` "1x32", "32x32", "1x128") and the same
+fused kernels and backward serve both modules. The groups are re-laid out on the device with the
+recipe's group alignment (16 rows, 128 for "1x128"; the dispatch copies the rows into it while
+quantizing), so nothing reads the counts on the host; ``out`` has ``x``'s dtype.
 
 Rows of ``x`` past ``sum(num_tokens_per_expert)`` -- torchtitan's static-size padding after
 ``generate_permute_indices`` (how it fills them differs between torchtitan versions) -- are
 replaced by zeros (one ``torch.where`` pass over ``x``) and join the last expert's group, where
 zero rows give zero outputs and add exact zeros to its weight gradient (the same "last group
-absorbs the slack" layout as `MXFP8MoE`), so nothing reads the counts on the host and whatever
-those rows held reaches no result. ``aligned_groups=True`` tells the wgrad kernels that every
-group starts on a multiple of 16 rows, which holds when torchtitan's token-group alignment
-(``TOKEN_GROUP_ALIGN_SIZE_M``) is a multiple of 16 and ``num_tokens_per_expert`` are its padded
-counts.
+absorbs the slack" layout as `MXFP8MoE`), so whatever those rows held reaches no result.
+``aligned_groups`` and ``save_colwise`` are accepted for compatibility and change nothing (the
+block aligns the groups itself and keeps what its backward needs).
 """
 
 from __future__ import annotations
@@ -30,20 +32,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
+from . import datapath as DP
 from .autograd import (
     WGRAD_MODES,
     check_layer_dims,
     check_mxfp8_dims,
     check_weight_blocks,
-    grouped_mm,
     resolve_scale_blocks,
 )
 from .backend import AUTO, AutoScaleBlocks
 from .checks import COMPUTE_DTYPE, PRECISIONS
+from .moe import group_align_rows
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,7 @@ class MXFP8GroupedExperts(nn.Module):
         precision: ``"mxfp8"`` (`moe_mxfp8.grouped_mm`) or ``"bf16"`` (``torch._grouped_mm``).
         backend, wgrad, save_colwise, weight_blocks, scale_blocks: as in `MXFP8MoE` (mxfp8
             only; ``scale_blocks="auto"``, the default, is the recipe of the GPU it runs on).
-        aligned_groups: every group starts on a multiple of 16 rows (see the module doc).
+        aligned_groups: accepted, changes nothing (see the module doc).
         device, dtype: of the parameters (torchtitan keeps them in float32).
     """
 
@@ -130,15 +131,11 @@ class MXFP8GroupedExperts(nn.Module):
                 s += f", scale_blocks={self.scale_blocks!r}"
         return s
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        w_t = w.to(COMPUTE_DTYPE).transpose(-2, -1)  # (E, K, N) view of (E, N, K)
+    def _recipe(self, device: torch.device) -> str:
         if self.precision == "bf16":
-            return torch._grouped_mm(x, w_t, offs=offs)
-        recipe = (self._auto_recipe.for_forward(x.device) if self.scale_blocks == AUTO
-                  else self.scale_blocks)
-        return grouped_mm(x, w_t, offs, backend=self.backend, wgrad=self.wgrad,
-                          save_colwise=self.save_colwise, scale_blocks=recipe,
-                          aligned_groups=self.aligned_groups)
+            return "1x32"  # unused by the BF16 path
+        return (self._auto_recipe.for_forward(device) if self.scale_blocks == AUTO
+                else self.scale_blocks)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x (M, D)`` sorted by expert, ``num_tokens_per_expert (E,)`` -> ``(M, D)``."""
@@ -153,13 +150,22 @@ class MXFP8GroupedExperts(nn.Module):
                 f"MXFP8GroupedExperts: num_tokens_per_expert must be ({e},), got "
                 f"{tuple(num_tokens_per_expert.shape)}"
             )
-        ends = torch.cumsum(num_tokens_per_expert, dim=0)
-        # the last group runs to M (torchtitan's zero padding rows, see the module doc)
-        offs = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])]).to(torch.int32)
+        m = x.shape[0]
+        ends = torch.cumsum(num_tokens_per_expert.to(torch.int64), dim=0)
+        # the groups' row bounds; the last runs to M (torchtitan's padding rows, module doc)
+        bounds = torch.cat([ends[:-1].clamp(max=m), ends.new_full((1,), m)])
+        counts = torch.diff(bounds, prepend=bounds.new_zeros(1))
+        rows_idx = torch.arange(m, device=x.device)
+        group = torch.searchsorted(bounds, rows_idx, right=True)  # each row's expert
         # rows past the counts -> zeros (the last group absorbs them; see the module doc)
-        valid = torch.arange(x.shape[0], device=x.device) < ends[-1]
-        xb = torch.where(valid[:, None], x.to(COMPUTE_DTYPE), 0.0)
+        xb = torch.where((rows_idx < ends[-1])[:, None], x.to(COMPUTE_DTYPE), 0.0)
         w13 = torch.cat([w1.to(COMPUTE_DTYPE), w3.to(COMPUTE_DTYPE)], dim=1)  # (E, 2H, D)
-        h = self._mm(xb, w13, offs)  # (M, 2H): gate | up
-        gate, up = rearrange(h, "m (two h) -> two m h", two=2)
-        return self._mm(F.silu(gate) * up, w2, offs).type_as(x)
+        recipe = self._recipe(x.device)
+        align = group_align_rows(recipe) if self.precision == "mxfp8" else 1
+        # the layer's expert block: each row a token routed to its group with weight 1
+        rows, src, offs = DP.route_layout(group[:, None], counts, align)
+        ones = torch.ones(m, 1, device=x.device, dtype=torch.float32)
+        out = DP.routed_experts(xb, w13, w2.to(COMPUTE_DTYPE), ones, rows, src, offs,
+                                precision=self.precision, backend=self.backend,
+                                wgrad=self.wgrad, scale_blocks=recipe)
+        return out.type_as(x)

@@ -1,0 +1,80 @@
+"""`MXFP8GroupedExperts` (torchtitan's experts interface) runs the layer's expert block: the
+fused stages of `MXFP8MoE` (dispatch-quantize, GEMM, SwiGLU with its quantized copies, GEMM,
+combine) on its expert-sorted rows, in every recipe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_mxfp8 import grouped_mm
+from moe_mxfp8.experts import MXFP8GroupedExperts
+from tests.compare import sqnr_db
+
+BF16 = torch.bfloat16
+D, H, E = 64, 96, 5
+
+
+def _composition(ex, x, counts, scale_blocks):
+    """The experts' math as separate public ops: gate/up GEMM, BF16 SwiGLU, down GEMM, with
+    the padding rows past the counts zeroed and joined to the last group."""
+    m = x.shape[0]
+    ends = torch.cumsum(counts, 0)
+    offs = torch.cat([ends[:-1], ends.new_full((1,), m)]).to(torch.int32)
+    xb = torch.where((torch.arange(m) < ends[-1])[:, None], x, 0.0)
+    w13 = torch.cat([ex.w1, ex.w3], dim=1)
+    h = grouped_mm(xb, w13.transpose(-2, -1), offs, backend="reference", scale_blocks=scale_blocks)
+    gate, up = h.chunk(2, dim=-1)
+    return grouped_mm(F.silu(gate) * up, ex.w2.transpose(-2, -1), offs, backend="reference",
+                      scale_blocks=scale_blocks)
+
+
+def _run(fn, ex, x, dy):
+    ex.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    y = fn(xi)
+    y.backward(dy)
+    return [y, xi.grad, ex.w1.grad, ex.w2.grad, ex.w3.grad]
+
+
+@pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
+@pytest.mark.parametrize("counts", [[7, 0, 19, 3, 11], [0, 0, 40, 0, 0], [16, 16, 0, 32, 16]])
+def test_expert_block_against_the_composition(gen, scale_blocks, counts):
+    """Uneven, empty and aligned groups, plus 6 padding rows past the counts (NaN: they must
+    reach nothing): output and every gradient against the same math as separate ops (16 rows
+    per group of group alignment change no sum: bitwise for 1x32; the 1x128 composition
+    quantizes unaligned groups, so its blocks differ: SQNR), and zero outputs and input
+    gradients on the padding rows."""
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    ex = MXFP8GroupedExperts(D, H, E, backend="reference", scale_blocks=scale_blocks, dtype=BF16)
+    ex.init_weights(0.05)
+    n = torch.tensor(counts)
+    m = int(n.sum()) + 6
+    x = torch.randn(m, D, generator=gen).to(BF16)
+    x[-6:] = float("nan")
+    dy = torch.randn(m, D, generator=gen).to(BF16)
+    got = _run(lambda xi: ex(xi, n), ex, x, dy)
+    assert torch.equal(got[0][-6:], torch.zeros(6, D, dtype=BF16))
+    assert torch.equal(got[1][-6:], torch.zeros(6, D, dtype=BF16))
+    assert all(torch.isfinite(g).all() for g in got)
+    want = _run(lambda xi: _composition(ex, torch.nan_to_num(xi), n, scale_blocks), ex,
+                x, dy)
+    for a, b in zip(got, want, strict=True):
+        if scale_blocks == "1x32":
+            assert torch.equal(a[: m - 6] if a.shape[0] == m else a,
+                               b[: m - 6] if b.shape[0] == m else b)
+        else:
+            assert sqnr_db(b.float(), a.float()) >= 25.0
+
+
+def test_bf16_twin_is_the_composition(gen):
+    ex = MXFP8GroupedExperts(D, H, E, precision="bf16", dtype=BF16)
+    ex.init_weights(0.05)
+    n = torch.tensor([9, 0, 21, 2, 8])
+    x = torch.randn(40, D, generator=gen).to(BF16)
+    offs = torch.cumsum(n, 0).to(torch.int32)
+    h = torch._grouped_mm(x, torch.cat([ex.w1, ex.w3], dim=1).transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    want = torch._grouped_mm(F.silu(gate) * up, ex.w2.transpose(-2, -1), offs=offs)
+    torch.testing.assert_close(ex(x, n), want, rtol=0, atol=0)
