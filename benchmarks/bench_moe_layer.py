@@ -169,8 +169,8 @@ def host_time(step, reps: int = 7, profile_top: int = 0, count_ops: bool = False
     thread); ``gpu_busy``: the sleep was still running when every step's launches had
     returned (else the sleep was too short and a launch may have waited). ``profile_top``:
     also a cProfile of the launches (backward in the calling thread for it), top functions
-    by own time. ``count_ops``: also the torch ops one step dispatches (``ops`` total,
-    ``op_counts`` by name), each a kernel launch, an allocation or a view on the host."""
+    by own time and by cumulative time. ``count_ops``: also the torch ops one step dispatches
+    (``ops`` total, ``op_counts`` by name), each a kernel launch, an allocation or a view."""
     step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -201,7 +201,8 @@ def host_time(step, reps: int = 7, profile_top: int = 0, count_ops: bool = False
                 prof.disable()
                 torch.cuda.synchronize()
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile_top)
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=out).sort_stats(order).print_stats(profile_top)
         res["profile"] = out.getvalue()
     if count_ops:
         counter = _OpCounter()
