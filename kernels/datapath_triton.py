@@ -24,9 +24,13 @@ quantized copies: rowwise (blocks of ABLK along the features) and columnwise (th
 every feature, stored transposed). It computes the block RB rows at a time (`ROW_TILING`):
 each chunk's values go out as the BF16 and rowwise copies and update the running column maxima.
 With one chunk (RB == ABLK) its registers give the columnwise copy too (one read of the
-inputs); with 32-row chunks of a 128-row block the columnwise copy needs the whole block's
-maxima first, so a second walk recomputes each chunk from its inputs (re-read from L2) and
-stores it, instead of holding 128 rows in registers.
+inputs); with smaller chunks of a 128-row block the columnwise copy needs the whole block's
+maxima first, so a second walk gets each chunk again instead of holding 128 rows in registers:
+recomputed from its inputs (re-read from L2), or (``RowTiling.stage``) read back from a scratch
+slot of the program's own, where the first walk staged the chunk's values as BF16 (exact: every
+value the kernels quantize is a BF16 value). Staged kernels run on a persistent grid (a few
+programs an SM, each walking every nprog-th (block, column tile) and reusing its slot), so the
+scratch is a few MiB that stay in L2 rather than a second copy of the output in DRAM.
 Every row of ``[0, M)`` belongs to exactly one block, so every data byte is written (pad rows as
 zeros); scale buffers start zeroed (the layout's padding bytes), their real bytes are written here.
 """
