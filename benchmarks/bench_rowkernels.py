@@ -1,13 +1,15 @@
 """Time the 1x128 row-block data-path kernels alone at other tilings (`RowTiling`: rows per
-step, warps, registers per thread) than `kernels.datapath_triton.ROW_TILING`'s
-(device; prints ms and GB/s over the bytes each must move), next to two ceilings measured in
-the same process: a copy of the kernel's input (``torch.clone``) and the BF16 twin's kernel.
+step, warps, registers per thread, chunks staged or recomputed, programs per SM) than
+`kernels.datapath_triton.ROW_TILING`'s (device; prints ms, GB/s over the bytes each must move
+and that rate as a share of the clone's), next to two ceilings measured in the same process: a
+copy of the kernel's input (``torch.clone``) and the BF16 twin's kernel.
 
     python -m benchmarks.bench_rowkernels [--shapes mixtral,dsv3]
-        [--kernels swiglu,dispatch,combine]
+        [--kernels swiglu,dispatch,combine] [--variants all|NAME,...]
         [--module moe_mxfp8.kernels.datapath_triton] [--parts] [--once]
 
-``--module``: a copy of the kernel module to time instead (a diagnostic variant).
+``--variants``: the named tilings of `VARIANTS` to time (those a kernel cannot take are
+skipped); ``--module``: a copy of the kernel module to time instead (a diagnostic variant).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import argparse
 import importlib
 
 import torch
-import triton
 
 from moe_mxfp8 import datapath as DP
 
@@ -24,20 +25,55 @@ SHAPES = {"mixtral": (16384, 2, 8, 4096, 14336), "dsv3": (65536, 2, 8, 7168, 204
           "qwen3": (16384, 8, 128, 2048, 768)}  # T k E D H
 
 
-def _settings(K, kind: str) -> list:
-    T = K.RowTiling
-    return {"swiglu": [T(128, 8), T(128, 16), T(128, 8, 168), T(32, 4)],
-            "dispatch": [T(128, 8), T(32, 4), T(64, 8)],
-            "combine": [T(32, 4), T(64, 4), T(128, 8)]}[kind]
+# Named tilings of a 128-row block, as `RowTiling` arguments (rows, warps, maxnreg, stage,
+# ctas). "tile": one 128 x 128 tile (the shipped SwiGLU and dispatch); "recompute": 32-row
+# chunks recomputed from L2 for the columnwise copy (the shipped combine backward); "stage":
+# 32- or 16-row chunks whose BF16 values are staged in a per-program L2 scratch slot and read
+# back for the columnwise copy, on a persistent grid of `ctas` programs an SM -- set it to the
+# CTAs the registers allow: 65536 / (32 * warps * registers), e.g. 4 warps at 216 / 168 / 128 /
+# 96 / 80 registers: 2 / 3 / 4 / 5 / 6. Unconstrained, ptxas gives the 32-row staged SwiGLU
+# forward 216 and the backward 255 registers; the caps below trade that for spills
+# (docs/design/datapath.md).
+VARIANTS = {
+    "tile": (128, 8), "tile-16w": (128, 16), "tile-r168": (128, 8, 168),
+    "recompute": (32, 4), "recompute-r128": (32, 4, 128), "rows64": (64, 8),
+    "rows64w4": (64, 4),
+    "stage": (32, 4, None, "rows", 2), "stage-r168": (32, 4, 168, "rows", 3),
+    "stage-r128": (32, 4, 128, "rows", 4), "stage-r96": (32, 4, 96, "rows", 5),
+    "stage-cols-r128": (32, 4, 128, "cols", 4),
+    "stage16": (16, 4, None, "rows", 2), "stage16-r128": (16, 4, 128, "rows", 4),
+    "stage16-r96": (16, 4, 96, "rows", 5),
+    "stage16-r80": (16, 4, 80, "rows", 6),
+    "stage-8w": (32, 8, None, "rows", 1), "stage-8w-r128": (32, 8, 128, "rows", 2),
+    "stage64-8w-r128": (64, 8, 128, "rows", 2),
+}
+KIND_VARIANTS = {  # what each kind's sweep takes ("all"); the combine backward stages nothing
+    "swiglu": [n for n in VARIANTS if n not in ("rows64", "rows64w4")],
+    "dispatch": ["tile", "recompute", "rows64", "stage-r128", "stage16-r128"],
+    "combine": ["recompute", "rows64w4", "tile"],
+}
+
+
+def _settings(K, kind: str, names: list[str] | None) -> dict:
+    """The named `RowTiling`s of ``kind``'s sweep: ``names`` (None: all of `KIND_VARIANTS`)."""
+    take = KIND_VARIANTS[kind] if names is None else [n for n in names
+                                                      if n in KIND_VARIANTS[kind]]
+    return {n: K.RowTiling(*VARIANTS[n]) for n in take}
 
 
 def _ms(fn) -> float:
+    import triton.testing  # here: the tests read `VARIANTS` where Triton is not installed
+
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+_CLONE_GBS = {}  # shape -> the clone's GB/s measured in this process
+
+
 def _line(name, kern, what, ms, nbytes):
-    print(f"{name:8s} {kern:12s} {what:34s} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s",
-          flush=True)
+    gbs = nbytes / ms / 1e6
+    share = f"{100 * gbs / _CLONE_GBS[name]:4.0f} % of clone" if name in _CLONE_GBS else ""
+    print(f"{name:8s} {kern:12s} {what:52s} {ms:7.3f} ms {gbs:6.0f} GB/s {share}", flush=True)
 
 
 def make_inputs(name: str, align: int = 16) -> dict:
@@ -59,10 +95,11 @@ def make_inputs(name: str, align: int = 16) -> dict:
             "o_2h": DP._outputs(m, 2 * hh, e, True, True, False, h)}
 
 
-def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = False) -> None:
-    """Every setting of ``kinds`` at shape ``name``, the shipped setting restored after
-    (``once``: instead, each kernel of ``kinds`` and its BF16 twin launched once, for
-    profilers)."""
+def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = False,
+          names: list[str] | None = None) -> None:
+    """Every setting of ``kinds`` at shape ``name`` (``names``: only these `VARIANTS`), the
+    shipped setting restored after (``once``: instead, each kernel of ``kinds`` and its BF16
+    twin launched once, for profilers)."""
     z = make_inputs(name)
     k, d, hh, m, src, tbl = z["k"], z["d"], z["hh"], z["m"], z["src"], z["tbl"]
     x, h, da, o_d, o_h, o_2h = z["x"], z["h"], z["da"], z["o_d"], z["o_h"], z["o_2h"]
@@ -94,6 +131,8 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
                     twin()
         torch.cuda.synchronize()
         return
+    clone_ms = _ms(h.clone)  # the rate every line is shared against
+    _CLONE_GBS[name] = h.numel() * 4 / clone_ms / 1e6
     if parts and "swiglu" in kinds:  # the shipped 1x128 tiling with a subset of the outputs
         def only(outs, keys):
             return {kk: outs[kk] for kk in keys}
@@ -114,26 +153,34 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
                 _line(name, kern, "BF16 twin's kernel", _ms(twin), twin_bytes)
             table = K.ROW_TILING[kern]
             shipped = table[128]
-            for setting in _settings(K, kind):
-                table[128] = setting
-                what = f"rows {setting.rows} warps {setting.warps} maxnreg {setting.maxnreg or '-'}"
-                _line(name, kern, what, _ms(fn), nbytes)
-            table[128] = shipped
+            try:
+                for vname, t in _settings(K, kind, names).items():
+                    table[128] = t
+                    what = (f"{vname}: rows {t.rows} warps {t.warps} maxnreg {t.maxnreg or '-'}"
+                            + (f" stage {t.stage} ctas {t.ctas}" if t.stage else ""))
+                    _line(name, kern, what, _ms(fn), nbytes)
+            finally:
+                table[128] = shipped
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="mixtral,dsv3")
     ap.add_argument("--kernels", default="swiglu,dispatch,combine")
+    ap.add_argument("--variants", default="all",
+                    help=f"'all' or names of {list(VARIANTS)} (comma-separated)")
     ap.add_argument("--module", default="moe_mxfp8.kernels.datapath_triton")
     ap.add_argument("--parts", action="store_true",
                     help="also the shipped SwiGLU tiling with one kind of output at a time")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel (profilers)")
     args = ap.parse_args()
+    names = None if args.variants == "all" else args.variants.split(",")
+    if names and (bad := [n for n in names if n not in VARIANTS]):
+        ap.error(f"unknown variants {bad}; known: {list(VARIANTS)}")
     K = importlib.import_module(args.module)
     torch.manual_seed(0)
     for name in args.shapes.split(","):
-        sweep(K, name, args.kernels.split(","), args.parts, args.once)
+        sweep(K, name, args.kernels.split(","), args.parts, args.once, names)
 
 
 if __name__ == "__main__":
