@@ -34,7 +34,7 @@ FILTER="Warn\|range_constexpr"  # CuTeDSL's compile-time notes
 
 declare -A TESTS=(
   [gemm]="tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py tests/kernels/test_selfcheck.py"
-  [layer]="tests/test_moe.py tests/test_autograd.py tests/test_datapath.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py tests/test_auto_scale_blocks.py"
+  [layer]="tests/test_moe.py tests/test_autograd.py tests/test_datapath.py tests/test_grouped_experts.py tests/test_swiglu_kernels.py tests/test_host_path.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py tests/test_auto_scale_blocks.py"
   [quant]="tests/kernels/test_quantize_kernels.py tests/test_domain.py"
   [rest]="tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py tests/test_hf.py"
   [several-gpus]="tests/test_device_placement.py tests/test_fsdp.py tests/test_expert_parallel.py"
@@ -144,7 +144,7 @@ ncu_rowkernels() {
   m="$m,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread"
   m="$m,launch__occupancy_limit_registers,smsp__inst_executed.sum"
   timeout "$(limit ncu-rowkernels)" ncu --clock-control none -k "regex:_swiglu_(fwd|bwd)_kernel" \
-    --metrics "$m" python -m benchmarks.bench_rowkernels --once --kernels swiglu \
+    --metrics "$m" python -m benchmarks.bench_rowkernels --once --kernels swiglu --variants tile \
     --shapes mixtral > "$OUT/ncu_rowkernels.txt" 2>&1
   echo "rc=$?"
   grep -E "_kernel|\.ratio|pct|duration|registers|occupancy|inst_executed" \
