@@ -19,7 +19,8 @@ import importlib
 
 import torch
 
-from moe_mxfp8 import datapath as DP
+from moe_mxfp8 import routing as RT
+from moe_mxfp8 import stages as ST
 
 SHAPES = {"mixtral": (16384, 2, 8, 4096, 14336), "dsv3": (65536, 2, 8, 7168, 2048),
           "qwen3": (16384, 8, 128, 2048, 768)}  # T k E D H
@@ -83,16 +84,16 @@ def make_inputs(name: str, align: int = 16) -> dict:
     bf = torch.bfloat16
     ids = torch.rand(t, e, device="cuda").argsort(1)[:, :k]
     counts = torch.bincount(ids.reshape(-1), minlength=e)
-    _, src, offs = DP.route_layout(ids, counts, align)
+    _, src, offs = RT.route_layout(ids, counts, align)
     m = src.numel()
     x = torch.randn(t, d, device="cuda", dtype=bf)
     h = torch.randn(m, 2 * hh, device="cuda", dtype=bf) * 3
     return {"t": t, "k": k, "e": e, "d": d, "hh": hh, "m": m, "src": src, "offs": offs,
-            "tbl": DP.block_table(offs, m, 128), "x": x, "h": h,
+            "tbl": RT.block_table(offs, m, 128), "x": x, "h": h,
             "da": torch.randn(m, hh, device="cuda", dtype=bf),
-            "o_d": DP._outputs(m, d, e, True, True, False, x),
-            "o_h": DP._outputs(m, hh, e, True, True, False, h),
-            "o_2h": DP._outputs(m, 2 * hh, e, True, True, False, h)}
+            "o_d": ST._outputs(m, d, e, True, True, False, x),
+            "o_h": ST._outputs(m, hh, e, True, True, False, h),
+            "o_2h": ST._outputs(m, 2 * hh, e, True, True, False, h)}
 
 
 def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = False,
@@ -104,7 +105,7 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
     k, d, hh, m, src, tbl = z["k"], z["d"], z["hh"], z["m"], z["src"], z["tbl"]
     x, h, da, o_d, o_h, o_2h = z["x"], z["h"], z["da"], z["o_d"], z["o_h"], z["o_2h"]
     bf = torch.bfloat16
-    tbl32 = DP.block_table(z["offs"], m, 32)
+    tbl32 = RT.block_table(z["offs"], m, 32)
     dout = torch.randn(z["t"], d, device="cuda", dtype=bf)
     y = torch.randn(m, d, device="cuda", dtype=bf)
     w = torch.rand(z["t"], k, device="cuda")

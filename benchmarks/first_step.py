@@ -73,9 +73,9 @@ def _patch(obj, attr: str, name: str, first_calls: int = 0) -> None:
 
 def instrument() -> None:
     """Wrap the host entry points whose first-use cost is in question (timing only)."""
-    from moe_mxfp8 import datapath as DP
     from moe_mxfp8 import grouped_gemm as G
     from moe_mxfp8 import quantize as Q
+    from moe_mxfp8 import stages as ST
 
     def first_import(holder, attr, label, module):
         orig = getattr(holder, attr)
@@ -95,7 +95,7 @@ def instrument() -> None:
     first_import(G, "_host_class", "grouped_gemm.sm90_config",
                  "moe_mxfp8.kernels.grouped_gemm.sm90_config")
     first_import(Q, "_kernel_module", "quantize_launch", "moe_mxfp8.kernels.quantize_launch")
-    orig_tk = DP._triton_kernels
+    orig_tk = ST._triton_kernels
 
     def triton_kernels():
         fresh = "moe_mxfp8.kernels.datapath_triton" not in sys.modules
@@ -108,7 +108,7 @@ def instrument() -> None:
                 _instrument_triton(mod)
         return mod
 
-    DP._triton_kernels = triton_kernels
+    ST._triton_kernels = triton_kernels
     for name in ("cutlass", "moe_mxfp8.kernels.compile_cache"):
         if name in sys.modules:
             _instrument_module(sys.modules[name])
@@ -262,9 +262,9 @@ def main() -> None:
             for m in ("grouped_gemm.sm90", "quantize"):
                 _instrument_module(importlib.import_module(f"moe_mxfp8.kernels.{m}"))
         elif step == "triton":
-            from moe_mxfp8 import datapath as DP
+            from moe_mxfp8 import stages as ST
 
-            DP._triton_kernels()
+            ST._triton_kernels()
         elif step in ("bf16", "bf16_2", "mxfp8", "mxfp8_2"):
             layer = st["bf" if step.startswith("bf16") else "mx"]
             st["x"].grad = None

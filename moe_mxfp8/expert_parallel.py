@@ -70,6 +70,7 @@ from torch import Tensor
 
 from . import datapath as DP
 from . import layout as L
+from . import stages as ST
 from .checks import COMPUTE_DTYPE
 from .mx_tensor import FP8
 from .quantize import quantize_rowwise
@@ -191,7 +192,7 @@ def pack_mxfp8_rows(x: Tensor, index: Tensor, backend: str) -> Tensor:
     (gather, quantize and pack in one pass), `pack_mxfp8_rows_ref` otherwise."""
     DP.check_index("pack_mxfp8_rows", "index", index, 1, x, 0, x.shape[0])
     x = x.detach().to(COMPUTE_DTYPE).contiguous()
-    if DP.use_triton(x, backend):
+    if ST.use_triton(x, backend):
         from .kernels import ep_payload_triton
 
         return ep_payload_triton.pack_rows(x, index.contiguous())
@@ -219,7 +220,7 @@ def pack_mxfp8_rows_ref(x: Tensor, index: Tensor, backend: str = "reference") ->
 def unpack_mxfp8_rows(rows: Tensor, d: int, backend: str = "auto") -> Tensor:
     """Payload rows ``(R, D + D/32)`` uint8 -> ``(R, D)`` BF16 (``E4M3 * 2^(s - 127)``): one
     Triton kernel on CUDA, `unpack_mxfp8_rows_ref` otherwise."""
-    if DP.use_triton(rows, backend):
+    if ST.use_triton(rows, backend):
         from .kernels import ep_payload_triton
 
         return ep_payload_triton.unpack_rows(rows.contiguous(), d)
@@ -275,7 +276,7 @@ class _Dispatch(torch.autograd.Function):
         rows = torch.empty_like(order).scatter_(
             0, order, torch.arange(order.numel(), device=order.device))
         rows = rows.to(torch.int32).view(ctx.t, ctx.k)  # int32, as `datapath.route_layout`'s
-        dx = DP.dispatch_backward(back, rows, backend=ctx.backend)
+        dx = ST.dispatch_backward(back, rows, backend=ctx.backend)
         return dx.to(ctx.dtype), None, None, None, None, None
 
 

@@ -368,10 +368,10 @@ def test_moe_1x128_pads_groups_to_128():
     assert "scale_blocks='1x128'" in repr(layer)
     assert MXFP8MoE(64, 64, 4, 2, backend="reference").group_align_rows == 16
     counts = torch.tensor([5, 0, 130, 7])
-    from moe_mxfp8 import datapath as DP
+    from moe_mxfp8 import routing as RT
 
     ids = torch.repeat_interleave(torch.arange(4), counts).view(71, 2)
-    rows, _, offs = DP.route_layout(ids, counts, layer.group_align_rows)
+    rows, _, offs = RT.route_layout(ids, counts, layer.group_align_rows)
     assert offs.tolist()[:3] == [128, 128, 384] and offs[-1] % 128 == 0
     assert rows.unique().numel() == 142 and int(rows.max()) < int(offs[-1])
     with pytest.raises(ValueError, match="not both"):

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import datapath as DP
 from moe_mxfp8 import reference as R
+from moe_mxfp8 import routing as RT
+from moe_mxfp8 import stages as ST
 from moe_mxfp8.autograd import grouped_mm
 
 BF16 = torch.bfloat16
@@ -61,9 +63,9 @@ def assert_mx_equal(a, b, what):
 def test_route_layout(gen, align):
     t, k, e = 53, 3, 7
     ids, counts = make_routing(gen, t, k, e)
-    rows, src, offs = DP.route_layout(ids, counts, align)
+    rows, src, offs = RT.route_layout(ids, counts, align)
     m = src.numel()
-    assert m == DP.padded_extent(t * k, e, align) and int(offs[-1]) == m
+    assert m == RT.padded_extent(t * k, e, align) and int(offs[-1]) == m
     assert rows.dtype == src.dtype == offs.dtype == torch.int32
     flat = rows.reshape(-1).long()
     assert flat.unique().numel() == t * k  # every pair its own row
@@ -81,9 +83,9 @@ def test_route_layout(gen, align):
 @pytest.mark.parametrize("block", [32, 128])
 def test_block_table_covers_every_row_once(gen, block):
     ids, counts = make_routing(gen, 90, 2, 6)
-    _, src, offs = DP.route_layout(ids, counts, 16)
+    _, src, offs = RT.route_layout(ids, counts, 16)
     m = src.numel()
-    tbl = DP.block_table(offs, m, block).long()
+    tbl = RT.block_table(offs, m, block).long()
     rs, re, prow0, tiles, lblk, nblk = tbl.unbind(1)
     hits = torch.zeros(m, dtype=torch.int64)
     for a, b in zip(rs.tolist(), re.tolist(), strict=True):
@@ -141,7 +143,7 @@ def test_routed_experts_matches_eager_composition(gen, precision, scale_blocks, 
     weights = torch.rand(t, k, generator=gen)
     dout = torch.randn(t, d, generator=gen).to(BF16)
     align = {"bf16": 1, "1x32": 16, "1x128": 128}["bf16" if precision == "bf16" else scale_blocks]
-    rows, src, offs = DP.route_layout(ids, counts, align)
+    rows, src, offs = RT.route_layout(ids, counts, align)
     res = []
     for fused in (True, False):
         leaves = [v.clone().requires_grad_() for v in (x, w_gu, w_dn, weights)]
@@ -161,14 +163,14 @@ def test_references_against_autograd(gen):
     autograd of the BF16 combine; swiglu_backward = autograd of silu(gate) * up."""
     t, k, e, d, hh = 40, 3, 4, 64, 32
     ids, counts = make_routing(gen, t, k, e)
-    rows, src, offs = DP.route_layout(ids, counts, 1)
+    rows, src, offs = RT.route_layout(ids, counts, 1)
     m = src.numel()
     y = torch.randn(m, d, generator=gen).to(BF16).requires_grad_()
     w = torch.rand(t, k, generator=gen).requires_grad_()
-    out = DP.combine_ref(y, rows, w)
+    out = ST.combine_ref(y, rows, w)
     dout = torch.randn(t, d, generator=gen).to(BF16)
     out.backward(dout)
-    _, _, dy, dw = DP.combine_backward_ref(dout, y.detach(), src, rows, w.detach(), offs,
+    _, _, dy, dw = ST.combine_backward_ref(dout, y.detach(), src, rows, w.detach(), offs,
                                            qrow=False, qcol=False, keep_bf16=True)
     assert torch.equal(dy, y.grad)
     torch.testing.assert_close(dw, w.grad, rtol=2**-7, atol=1e-6)  # BF16 sums in another order
@@ -177,20 +179,20 @@ def test_references_against_autograd(gen):
     a = F.silu(gate) * up
     da = torch.randn_like(a)
     a.backward(da)
-    _, _, a_ref = DP.swiglu_ref(h.detach(), src, offs, qrow=False, qcol=False, keep_bf16=True)
+    _, _, a_ref = ST.swiglu_ref(h.detach(), src, offs, qrow=False, qcol=False, keep_bf16=True)
     assert torch.equal(a_ref, a.detach())
-    _, _, dh = DP.swiglu_backward_ref(da, h.detach(), src, offs, qrow=False, qcol=False,
+    _, _, dh = ST.swiglu_backward_ref(da, h.detach(), src, offs, qrow=False, qcol=False,
                                       keep_bf16=True)
     assert torch.equal(dh, h.grad)
     dxs = torch.randn(m, d, generator=gen).to(BF16)
     acc = sum(dxs[rows[:, j].long()].float() for j in range(k))
-    assert torch.equal(DP.dispatch_backward_ref(dxs, rows), acc.to(BF16))
+    assert torch.equal(ST.dispatch_backward_ref(dxs, rows), acc.to(BF16))
 
 
 def _op_args(gen, precision, wgrad, save):
     t, k, e, d, hh = 24, 2, 3, 64, 32
     ids, counts = make_routing(gen, t, k, e)
-    rows, src, offs = DP.route_layout(ids, counts, 16 if precision == "mxfp8" else 1)
+    rows, src, offs = RT.route_layout(ids, counts, 16 if precision == "mxfp8" else 1)
     x = torch.randn(t, d, generator=gen).to(BF16)
     w_gu = torch.randn(e, 2 * hh, d, generator=gen).to(BF16)
     w_dn = torch.randn(e, d, hh, generator=gen).to(BF16)
@@ -248,9 +250,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="rows"):
         DP.routed_experts(x, w, w[:, :, :32], torch.rand(4, 3), rows, src, offs)
     with pytest.raises(ValueError, match="align"):
-        DP.route_layout(rows.long(), torch.tensor([4, 4]), 0)
+        RT.route_layout(rows.long(), torch.tensor([4, 4]), 0)
     with pytest.raises(ValueError, match="multiple of 32"):
-        DP.dispatch(torch.randn(4, 48, dtype=BF16), src, offs, 2)
+        ST.dispatch(torch.randn(4, 48, dtype=BF16), src, offs, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,9 +287,9 @@ def row_walk(K, walk: str | None):
 
 
 def poisoned_outputs(m: int, f: int, e: int, like, keep_bf16: bool = True) -> dict:
-    """The row kernels' outputs (`DP._outputs`, both quantized copies) with every data byte
+    """The row kernels' outputs (`ST._outputs`, both quantized copies) with every data byte
     poisoned, so that a byte a kernel fails to write cannot pass for a right one."""
-    o = DP._outputs(m, f, e, True, True, keep_bf16, like)
+    o = ST._outputs(m, f, e, True, True, keep_bf16, like)
     o["qrow"].fill_(0xAB)
     o["qcol"].fill_(0xAB)
     if keep_bf16:
@@ -309,9 +311,9 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     ablk = R.ACT_BLOCK[sb]
     aligned = align % 16 == 0  # the 16-byte columnwise stores where groups allow them
     ids, counts = make_routing(gen, t, k, e)
-    rows, src, offs = (v.to(device) for v in DP.route_layout(ids, counts, align))
+    rows, src, offs = (v.to(device) for v in RT.route_layout(ids, counts, align))
     m = src.numel()
-    tbl = DP.block_table(offs, m, ablk)
+    tbl = RT.block_table(offs, m, ablk)
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(BF16).to(device)
@@ -319,7 +321,7 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     x = rnd(t, d)
     o = poisoned_outputs(m, d, e, src)
     K.dispatch(x, src, tbl, k, o, ablk, aligned)
-    got, ref = DP._wrap(o, offs), DP.dispatch_ref(x, src, offs, k, keep_bf16=True,
+    got, ref = ST._wrap(o, offs), ST.dispatch_ref(x, src, offs, k, keep_bf16=True,
                                                   scale_blocks=sb)
     assert_mx_equal(got[0], ref[0], "dispatch rowwise")
     assert_mx_equal(got[1], ref[1], "dispatch colwise")
@@ -328,12 +330,12 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     dxs = rnd(m, d)
     dx = torch.full((t, d), float("nan"), dtype=BF16, device=device)
     K.gather_sum(dxs, rows, dx)
-    assert torch.equal(dx, DP.dispatch_backward_ref(dxs, rows))
+    assert torch.equal(dx, ST.dispatch_backward_ref(dxs, rows))
 
     h = rnd(m, 2 * hh, scale=3.0)
     o = poisoned_outputs(m, hh, e, src)
     K.swiglu_fwd(h, src, tbl, o, ablk, aligned)
-    got, ref = DP._wrap(o, offs), DP.swiglu_ref(h, src, offs, keep_bf16=True, scale_blocks=sb)
+    got, ref = ST._wrap(o, offs), ST.swiglu_ref(h, src, offs, keep_bf16=True, scale_blocks=sb)
     assert torch.equal(got[2], ref[2]), "swiglu BF16"
     assert_mx_equal(got[0], ref[0], "swiglu rowwise")
     assert_mx_equal(got[1], ref[1], "swiglu colwise")
@@ -341,8 +343,8 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     da = rnd(m, hh)
     o = poisoned_outputs(m, 2 * hh, e, src)
     K.swiglu_bwd(da, h, src, tbl, o, ablk, aligned)
-    got = DP._wrap(o, offs)
-    ref = DP.swiglu_backward_ref(da, h, src, offs, keep_bf16=True, scale_blocks=sb)
+    got = ST._wrap(o, offs)
+    ref = ST.swiglu_backward_ref(da, h, src, offs, keep_bf16=True, scale_blocks=sb)
     if exact_silu_bwd:
         assert torch.equal(got[2], ref[2]), "swiglu backward BF16"
     else:  # the CPU's silu_backward evaluates its exp differently: 1 BF16 ulp
@@ -359,14 +361,14 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
     y = rnd(m, d)
     out = torch.full((t, d), float("nan"), dtype=BF16, device=device)
     K.combine_fwd(y, rows, w, out)
-    assert torch.equal(out, DP.combine_ref(y, rows, w))
+    assert torch.equal(out, ST.combine_ref(y, rows, w))
 
     dout = rnd(t, d)
     o = poisoned_outputs(m, d, e, src)
     part = torch.full((-(-d // K.COL_TILE), m), float("nan"), device=device)
     K.combine_bwd(dout, y, w, src, tbl, k, o, part, ablk, aligned)
-    got = DP._wrap(o, offs)
-    ref = DP.combine_backward_ref(dout, y, src, rows, w, offs, keep_bf16=True, scale_blocks=sb)
+    got = ST._wrap(o, offs)
+    ref = ST.combine_backward_ref(dout, y, src, rows, w, offs, keep_bf16=True, scale_blocks=sb)
     assert torch.equal(got[2], ref[2]), "combine backward BF16"
     assert_mx_equal(got[0], ref[0], "combine bwd rowwise")
     assert_mx_equal(got[1], ref[1], "combine bwd colwise")
@@ -481,9 +483,9 @@ def test_gpu_kernels_nonfinite_blocks(gen, scale_blocks):
     sb, ablk = scale_blocks, R.ACT_BLOCK[scale_blocks]
     t, k, e, d, hh, align = 300, 2, 8, 256, 256, 128
     ids, counts = make_routing(gen, t, k, e)
-    rows, src, offs = (v.cuda() for v in DP.route_layout(ids, counts, align))
+    rows, src, offs = (v.cuda() for v in RT.route_layout(ids, counts, align))
     m = src.numel()
-    tbl = DP.block_table(offs, m, ablk)
+    tbl = RT.block_table(offs, m, ablk)
     x = (torch.randn(t, d, generator=gen) * 4).to(BF16).cuda()
     h = (torch.randn(m, 2 * hh, generator=gen) * 3).to(BF16).cuda()
     for v in (x, h):  # +-Inf and NaN at random places (a few blocks each)
@@ -493,13 +495,13 @@ def test_gpu_kernels_nonfinite_blocks(gen, scale_blocks):
                                  device="cuda")
     o = poisoned_outputs(m, d, e, src, keep_bf16=False)
     K.dispatch(x, src, tbl, k, o, ablk, True)
-    got, ref = DP._wrap(o, offs), DP.dispatch_ref(x, src, offs, k, scale_blocks=sb)
+    got, ref = ST._wrap(o, offs), ST.dispatch_ref(x, src, offs, k, scale_blocks=sb)
     assert (got[0].scale == 0xFF).any(), "no non-finite block was made"
     _assert_mx_same_values(got[0], ref[0], "dispatch rowwise")
     _assert_mx_same_values(got[1], ref[1], "dispatch colwise")
     o = poisoned_outputs(m, hh, e, src, keep_bf16=False)
     K.swiglu_fwd(h, src, tbl, o, ablk, True)
-    got, ref = DP._wrap(o, offs), DP.swiglu_ref(h, src, offs, scale_blocks=sb)
+    got, ref = ST._wrap(o, offs), ST.swiglu_ref(h, src, offs, scale_blocks=sb)
     _assert_mx_same_values(got[0], ref[0], "swiglu rowwise")
     _assert_mx_same_values(got[1], ref[1], "swiglu colwise")
 
@@ -513,7 +515,7 @@ def check_routed_experts_kernels(gen, device, precision, scale_blocks, backend,
     t, k, e, d, hh = shape
     ids, counts = make_routing(gen, t, k, e)
     align = {"bf16": 1, "1x32": 16, "1x128": 128}["bf16" if precision == "bf16" else scale_blocks]
-    rows, src, offs = (v.to(device) for v in DP.route_layout(ids, counts, align))
+    rows, src, offs = (v.to(device) for v in RT.route_layout(ids, counts, align))
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device, BF16)
@@ -522,17 +524,17 @@ def check_routed_experts_kernels(gen, device, precision, scale_blocks, backend,
               torch.rand(t, k, generator=gen).to(device))
     dout = rnd(t, d)
     res = []
-    use_triton = DP.use_triton
+    use_triton = ST.use_triton
     try:
         for kernels in (True, False):
-            DP.use_triton = lambda _t, _backend, on=kernels: on  # noqa: E731
+            ST.use_triton = lambda _t, _backend, on=kernels: on  # noqa: E731
             leaves = [v.clone().requires_grad_() for v in inputs]
             out = DP.routed_experts(*leaves, rows, src, offs, precision=precision,
                                     scale_blocks=scale_blocks, backend=backend)
             out.backward(dout)
             res.append([out] + [v.grad for v in leaves])
     finally:
-        DP.use_triton = use_triton
+        ST.use_triton = use_triton
     for name, a, b in zip(["out", "dx", "dw_gu", "dw_dn", "dweights"], *res, strict=True):
         if name == "out" or (exact_backward and name != "dweights"):
             assert torch.equal(a, b), name
@@ -631,9 +633,9 @@ def test_missing_triton_on_cuda_warns_once_and_runs_the_reference(monkeypatch):
     class CudaLike:  # stands in for a CUDA tensor: use_triton reads only .is_cuda
         is_cuda = True
 
-    monkeypatch.setattr(DP, "_triton_kernels", lambda: None)
+    monkeypatch.setattr(ST, "_triton_kernels", lambda: None)
     monkeypatch.setattr("moe_mxfp8.backend._warned", set())
     with pytest.warns(RuntimeWarning, match="Triton is not installed"):
-        assert DP.use_triton(CudaLike(), "auto") is False
-    assert DP.use_triton(CudaLike(), "reference") is False
-    assert DP.use_triton(torch.zeros(1), "auto") is False  # CPU tensors never use Triton
+        assert ST.use_triton(CudaLike(), "auto") is False
+    assert ST.use_triton(CudaLike(), "reference") is False
+    assert ST.use_triton(torch.zeros(1), "auto") is False  # CPU tensors never use Triton

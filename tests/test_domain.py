@@ -482,16 +482,17 @@ DP_T, DP_K, DP_E, DP_D, DP_H = 6, 2, 3, 64, 32
 
 
 def _dp_layout():
-    from moe_mxfp8 import datapath as DP
+    from moe_mxfp8 import routing as RT
 
     ids = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1], [2, 1], [1, 0]])
     counts = torch.bincount(ids.reshape(-1), minlength=DP_E)
-    return DP.route_layout(ids, counts, 16)  # rows (T, k), src (M,), offs (E,): M = 64
+    return RT.route_layout(ids, counts, 16)  # rows (T, k), src (M,), offs (E,): M = 64
 
 
 def _dp_entry(name: str, backend: str = "reference"):
     """The data-path entry ``name`` as a function of ``(rows, src, offs)``."""
     from moe_mxfp8 import datapath as DP
+    from moe_mxfp8 import stages as ST
 
     m = _dp_layout()[1].numel()
     x = _x((DP_T, DP_D), torch.bfloat16, seed=4)
@@ -503,12 +504,12 @@ def _dp_entry(name: str, backend: str = "reference"):
     w_dn = _x((DP_E, DP_D, DP_H), torch.bfloat16, seed=10) / 8
     be = {"backend": backend}
     return {
-        "dispatch": lambda r, s, o: DP.dispatch(x, s, o, DP_K, **be),
-        "dispatch_backward": lambda r, s, o: DP.dispatch_backward(y, r, **be),
-        "swiglu": lambda r, s, o: DP.swiglu(h, s, o, **be),
-        "swiglu_backward": lambda r, s, o: DP.swiglu_backward(da, h, s, o, **be),
-        "combine": lambda r, s, o: DP.combine(y, r, wts, **be),
-        "combine_backward": lambda r, s, o: DP.combine_backward(x, y, s, r, wts, o, **be),
+        "dispatch": lambda r, s, o: ST.dispatch(x, s, o, DP_K, **be),
+        "dispatch_backward": lambda r, s, o: ST.dispatch_backward(y, r, **be),
+        "swiglu": lambda r, s, o: ST.swiglu(h, s, o, **be),
+        "swiglu_backward": lambda r, s, o: ST.swiglu_backward(da, h, s, o, **be),
+        "combine": lambda r, s, o: ST.combine(y, r, wts, **be),
+        "combine_backward": lambda r, s, o: ST.combine_backward(x, y, s, r, wts, o, **be),
         "routed_experts": lambda r, s, o: DP.routed_experts(x, w_gu, w_dn, wts, r, s, o, **be),
     }[name]
 

@@ -248,11 +248,11 @@ def test_expert_parallel_matches_single_process(gen, ws):
 
 def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
     """The dispatch's backward sums a token's k pair gradients as the single-GPU data path
-    does (`datapath.dispatch_backward`: fp32 in slot order, BF16 once), for k > 2 too -- not a
+    does (`ST.dispatch_backward`: fp32 in slot order, BF16 once), for k > 2 too -- not a
     BF16 running sum (and with no index_put accumulate, which syncs on CUDA). gloo, world 1."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
-    from moe_mxfp8 import datapath as DP
+    from moe_mxfp8 import stages as ST
 
     _init(0, 1, free_port(), "gloo")
     try:
@@ -269,7 +269,7 @@ def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
         pos = torch.empty_like(order).scatter_(0, order, torch.arange(t * k)).view(t, k)
         want = sum(g.to(BF16)[pos[:, j]].float() for j in range(k)).to(BF16)
         assert torch.equal(x.grad, want)
-        assert torch.equal(x.grad, DP.dispatch_backward(g.to(BF16), pos, backend="reference"))
+        assert torch.equal(x.grad, ST.dispatch_backward(g.to(BF16), pos, backend="reference"))
     finally:
         dist.destroy_process_group()
 
@@ -401,7 +401,7 @@ def test_grouped_experts_is_mxfp8moe_expert_path(gen):
     """MXFP8MoE's layer rebuilt torchtitan-style (route, permute into the padded layout, call
     the experts module with the padded counts, un-permute, weigh) with `MXFP8GroupedExperts`
     holding the same weights as w1/w3/w2: output and every gradient bit-identical."""
-    from moe_mxfp8 import datapath as DP
+    from moe_mxfp8 import routing as RT
     from moe_mxfp8.experts import MXFP8GroupedExperts
 
     torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
@@ -421,7 +421,7 @@ def test_grouped_experts_is_mxfp8moe_expert_path(gen):
     xa = x.clone().requires_grad_()
     weights, ids, counts, _ = mx._route(xa)
     order = torch.argsort(ids.reshape(-1), stable=True)
-    rows, _, offs = DP.route_layout(ids, counts, mx.group_align_rows)  # the layer's layout
+    rows, _, offs = RT.route_layout(ids, counts, mx.group_align_rows)  # the layer's layout
     rows = rows.reshape(-1)[order].long()  # padded-buffer row of each sorted pair
     x_sorted = xa.new_zeros(int(offs[-1]), d)
     x_sorted[rows] = xa[order // k]

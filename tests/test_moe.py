@@ -641,7 +641,7 @@ def test_group_alignment_padding_changes_no_result(rng):
     output and every gradient must equal the unpadded computation exactly (reference backend)."""
     from moe_mxfp8.kernels.mx_format import padded_extent
 
-    from moe_mxfp8 import datapath as DP
+    from moe_mxfp8 import routing as RT
     from moe_mxfp8.autograd import grouped_mm
     from moe_mxfp8.moe import GROUP_ALIGN_ROWS
 
@@ -649,7 +649,7 @@ def test_group_alignment_padding_changes_no_result(rng):
     x = torch.randn(37, 64, generator=rng).to(BF16)
     counts = torch.tensor([0, 17, 33, 1, 23])
     ids = torch.repeat_interleave(torch.arange(5), counts)[torch.randperm(74, generator=rng)]
-    rows, _, offs = DP.route_layout(ids.view(37, 2), counts, GROUP_ALIGN_ROWS)
+    rows, _, offs = RT.route_layout(ids.view(37, 2), counts, GROUP_ALIGN_ROWS)
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), offs[:-1]])
     assert (starts % GROUP_ALIGN_ROWS == 0).all()
     m = padded_extent(74, 5, GROUP_ALIGN_ROWS)

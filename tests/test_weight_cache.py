@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import datapath as DP
+from moe_mxfp8 import routing as RT
 from moe_mxfp8 import weight_cache as WC
 
 BF16 = torch.bfloat16
@@ -313,7 +314,7 @@ def test_opcheck_with_the_optional_inputs():
     ids = torch.randint(0, E, (t, k), generator=g)
     counts = torch.zeros(E, dtype=torch.int64).scatter_add(0, ids.flatten(),
                                                           torch.ones(t * k, dtype=torch.int64))
-    rows, src, offs = DP.route_layout(ids, counts, 16)
+    rows, src, offs = RT.route_layout(ids, counts, 16)
     x = torch.randn(t, D, generator=g).to(BF16).requires_grad_()
     w_gu = torch.randn(E, 2 * hh, D, generator=g).to(BF16).requires_grad_()
     w_dn = torch.randn(E, D, hh, generator=g).to(BF16).requires_grad_()
@@ -321,7 +322,7 @@ def test_opcheck_with_the_optional_inputs():
     pairs = [WC.quantize_weights_dual(w.detach(), backend="reference") for w in (w_gu, w_dn)]
     wq = [v for q in (pairs[0][0], pairs[1][0], pairs[0][1], pairs[1][1])
           for v in (q.data.view(torch.uint8), q.scale)]
-    table = DP.block_table(offs, src.numel(), 32)
+    table = RT.block_table(offs, src.numel(), 32)
     args = (x, w_gu, w_dn, weights, rows, src, offs, "mxfp8", "reference", "mxfp8", "1x32", True,
             table, *wq)
     torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_fwd.default, args,

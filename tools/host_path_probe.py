@@ -100,14 +100,14 @@ def gpu_host_path():
     from moe_mxfp8.kernels.grouped_gemm import launcher
 
     from moe_mxfp8 import backend as B
-    from moe_mxfp8 import datapath as DP
+    from moe_mxfp8 import stages as ST
 
     dpt = _datapath_triton()
     kern = _native_noop()
     stream = native.Stream(0)
     patches = [
-        (DP, "use_triton", lambda t, backend: backend != "reference"),
-        (DP, "_triton_kernels", lambda: dpt),
+        (ST, "use_triton", lambda t, backend: backend != "reference"),
+        (ST, "_triton_kernels", lambda: dpt),
         (B, "kernel_backend_for", lambda device: "sm90"),  # backend="auto" resolves to sm90
         (quantize_launch, "compile_quantizer", lambda op, config, arch=None, stream=None: kern),
         (quantize_launch, "current_stream", lambda device: stream),

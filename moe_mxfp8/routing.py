@@ -1,0 +1,121 @@
+"""The routing layout of the MoE data path: where each (token, slot) pair goes in the
+expert-sorted buffer, and the one check of the index tensors that describe it.
+
+The ``T*k`` (token, slot) pairs are sorted by expert (stable) into a buffer of ``M`` rows whose
+expert groups start on multiples of ``align`` rows (16 for the MXFP8 layer: the Hopper wgrad
+kernel's TMA alignment; 128 for its "1x128" recipe; 1 for BF16: no padding). `route_layout`
+gives, on the device and without a host sync::
+
+    rows (T, k) int32   row of pair (t, j) in the sorted buffer
+    src  (M,)   int32   pair index t*k + j of each row, -1 for the zero pad rows
+    offs (E,)   int32   cumulative group ends; offs[-1] == M = padded_extent(T*k, E, align)
+
+`block_table` cuts that buffer into the row kernels' blocks (`moe_mxfp8.stages`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import checks as C
+from . import layout as L
+from .kernels.mx_format import padded_extent
+
+INDEX_DTYPES = (torch.int32, torch.int64)  # rows / src: every backend indexes with either
+
+
+
+def route_layout(expert_ids: Tensor, counts: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``expert_ids (T, k)`` and ``counts (E,)`` -> ``rows (T, k)``, ``src (M,)``, ``offs (E,)``
+    (int32, on the ids' device, no host sync; see the module doc). Pairs keep their token order
+    inside a group (stable sort). The last group absorbs the slack up to the static extent."""
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"route_layout: align must be a positive int, got {align!r}")
+    t, k = expert_ids.shape
+    e = counts.numel()
+    m = t * k
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = counts.to(torch.int64)
+    padded = (counts + align - 1) // align * align
+    pad_start = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    g = flat[order]
+    rows_sorted = pad_start[g] + torch.arange(m, device=flat.device) - start[g]
+    rows = torch.empty_like(order).scatter_(0, order, rows_sorted)
+    m_pad = padded_extent(m, e, align)
+    src = torch.full((m_pad,), -1, dtype=torch.int64, device=flat.device)
+    src = src.scatter_(0, rows_sorted, order)
+    # The last end is the static extent, built on the device (writing a Python int into a CUDA
+    # tensor is a host->device copy, which syncs).
+    offs = torch.cat([torch.cumsum(padded, 0)[:-1], counts.new_full((1,), m_pad)])
+    return rows.to(torch.int32).reshape(t, k), src.to(torch.int32), offs.to(torch.int32)
+
+
+def check_index(who: str, name: str, t, ndim: int, like: Tensor, lo: int = 0,
+                hi: int | None = None) -> None:
+    """An index tensor of the data path (``rows``, ``src``, the EP payload's row index): int32
+    (route_layout's) or int64, ``ndim``-D on ``like``'s device, any strides (the kernels read
+    dense copies). Its values, in ``[lo, hi)``, are read only where that costs no device sync
+    (CPU tensors): the rule depends on the device, not the backend."""
+    if not isinstance(t, Tensor) or t.dtype not in INDEX_DTYPES:
+        what = t.dtype if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"{who}: {name} must be an int32 or int64 tensor, got {what}")
+    if t.dim() != ndim or t.device != like.device:
+        raise ValueError(f"{who}: {name} must be {ndim}D on {like.device}, got shape "
+                         f"{tuple(t.shape)} on {t.device}")
+    if hi is None or t.numel() == 0 or not C.values_on_host(t):
+        return
+    t_min, t_max = int(t.min()), int(t.max())
+    if t_min < lo or t_max >= hi:
+        raise ValueError(f"{who}: {name} values must lie in [{lo}, {hi}), got "
+                         f"[{t_min}, {t_max}]")
+
+
+def check_layout(who: str, like: Tensor, m: int, *, rows: Tensor | None = None,
+                 src: Tensor | None = None, offs: Tensor | None = None,
+                 pairs: int | None = None) -> None:
+    """The index tensors of a `route_layout` layout of ``m`` sorted rows, as the stage ``who``
+    gets them (`check_index`): ``rows (T, k)`` in ``[0, m)``, ``src (m,)`` in ``[-1, pairs)``,
+    ``offs`` (the one `checks.check_offs`, last == m), all on ``like``'s device."""
+    if rows is not None:
+        check_index(who, "rows", rows, 2, like, 0, m)
+    if src is not None:
+        check_index(who, "src", src, 1, like, -1, pairs)
+        if src.numel() != m:
+            raise ValueError(f"{who}: src has {src.numel()} rows but the sorted buffer has {m}")
+    if offs is not None:
+        C.check_offs(offs, m)
+        if offs.device != like.device:
+            raise ValueError(f"{who}: offs is on {offs.device} but the data is on {like.device}")
+
+
+def numel_of(t) -> int:
+    """Rows of an index tensor, 0 for what is not one (`check_layout` then names it)."""
+    return t.numel() if isinstance(t, Tensor) else 0
+
+
+def block_table(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> Tensor:
+    """int32 ``(ceil-bound, 6)`` table of the ``block``-row blocks of the sorted buffer (blocks
+    restart at each group; ``block`` the activation block length, 32 or 128):
+    ``rs, re, prow0, tiles, lblk, nblk`` (see `kernels.datapath_triton`)."""
+    e = offs.numel()
+    nb_bound = (m + (block - 1) * e) // block
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    sizes = ends - starts
+    nblk = (sizes + block - 1) // block
+    cum = torch.cumsum(nblk, 0)
+    tiles = (sizes + L.TILE_ROWS - 1) // L.TILE_ROWS
+    tiles_before = torch.cumsum(tiles, 0) - tiles
+    j = torch.arange(nb_bound, device=offs.device)
+    g = torch.searchsorted(cum, j, right=True)
+    valid = g < e
+    g = g.clamp(max=e - 1)
+    lblk = j - (cum - nblk)[g]
+    rs = starts[g] + block * lblk
+    re = torch.where(valid, torch.minimum(rs + block, ends[g]), rs)
+    prow0 = tiles_before[g] * L.TILE_ROWS - starts[g]
+    tbl = torch.stack([rs, re, prow0, tiles_before[g], lblk, nblk[g]], 1)
+    return tbl.to(torch.int32).contiguous()
