@@ -34,6 +34,16 @@ BF16 = torch.bfloat16
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+def run_interpreted(code: str, seed: int) -> None:
+    """Run ``code`` in a fresh Python under Triton's interpreter (it must be chosen before
+    Triton's first import, which torch.compile in this process may already have made)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, (seed, res.stderr[-3000:])
+
+
 
 def make_routing(gen, t, k, e, device="cpu", empty_last=True):
     """Expert ids (T, k) without repeats per token (the last expert idle) and their counts."""
@@ -396,11 +406,7 @@ def test_kernels_interpreter(gen, case):
     code = ("import torch; from tests.test_datapath import check_kernels_against_references as c;"
             f"c(torch.Generator().manual_seed({seed}), 'cpu', *{shape!r}, "
             f"exact_silu_bwd=False, scale_blocks={sb!r}, walk={walk!r})")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parent.parent
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, (seed, res.stderr[-3000:])
+    run_interpreted(code, seed)
 
 
 # Pointer dtypes of the row-block kernels' arguments (the rest are int32 sizes or constexprs).
@@ -563,11 +569,7 @@ def test_routed_experts_kernels_interpreter(gen, precision, scale_blocks):
     code = ("import torch; from tests.test_datapath import check_routed_experts_kernels as c;"
             f"c(torch.Generator().manual_seed({seed}), 'cpu', {precision!r}, {scale_blocks!r}, "
             "'reference', shape=(45, 2, 3, 128, 160), exact_backward=False)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parent.parent
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, (seed, res.stderr[-3000:])
+    run_interpreted(code, seed)
 
 
 def _fwd_bwd(module, x, dy):

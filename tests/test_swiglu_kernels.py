@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.bench_rowkernels import KIND_VARIANTS, VARIANTS
-from tests.test_datapath import _check_kernels, _kernel_module, test_gpu_kernels_nonfinite_blocks
+from tests.test_datapath import (
+    _check_kernels,
+    _kernel_module,
+    run_interpreted,
+    test_gpu_kernels_nonfinite_blocks,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -68,11 +69,7 @@ def test_staged_walk_interpreter(gen, shape, tiling):
     seed = int(torch.randint(2**62, (1,), generator=gen))
     code = ("from tests.test_swiglu_kernels import check_tiling as c;"
             f"c({seed}, 'cpu', {shape!r}, {tiling!r})")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parent.parent
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, (seed, res.stderr[-3000:])
+    run_interpreted(code, seed)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
