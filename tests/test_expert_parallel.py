@@ -262,7 +262,7 @@ def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
         order = torch.argsort(ids.reshape(-1), stable=True)
         plan = EP.make_plan(counts, dist.group.WORLD, 16)
         x = torch.randn(t, d, generator=gen).to(BF16).requires_grad_()
-        got = EP._Dispatch.apply(x, order, k, plan, "bf16", "reference")
+        got = EP.PairsToExperts.apply(x, order, k, plan, "bf16", "reference")
         assert torch.equal(got, x.detach()[order // k])  # pairs in expert order
         g = (torch.randn(t * k, d, generator=gen) * 10 ** torch.randn(t * k, 1, generator=gen))
         got.backward(g.to(BF16))
@@ -419,7 +419,7 @@ def test_grouped_experts_is_mxfp8moe_expert_path(gen):
         ex.w3.copy_(mx.w_gate_up[:, h:])
         ex.w2.copy_(mx.w_down)
     xa = x.clone().requires_grad_()
-    weights, ids, counts, _ = mx._route(xa)
+    weights, ids, counts, _ = mx.route(xa)
     order = torch.argsort(ids.reshape(-1), stable=True)
     rows, _, offs = DP.route_layout(ids, counts, mx.group_align_rows)  # the layer's layout
     rows = rows.reshape(-1)[order].long()  # padded-buffer row of each sorted pair
