@@ -31,7 +31,7 @@ layer: EMA and eval copies) share it.
 from __future__ import annotations
 
 import copy
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import torch
 from einops import rearrange
@@ -206,7 +206,7 @@ class AllToAllDispatcher:
         return bad
 
 
-Dispatcher = LocalDispatcher | AllToAllDispatcher
+Dispatcher: TypeAlias = LocalDispatcher | AllToAllDispatcher  # what `MXFP8MoE.dispatcher` holds
 
 
 def setup_layer(layer, group, ep_payload, ep_grad_payload) -> int:

@@ -236,6 +236,8 @@ class MXFP8MoE(nn.Module):
     float32 (the same router in both precisions).
     """
 
+    dispatcher: DS.Dispatcher  # installed by `moe_mxfp8.dispatcher.setup_layer` in __init__
+
     def __init__(
         self,
         dim: int,
