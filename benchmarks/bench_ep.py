@@ -78,13 +78,13 @@ def bench_shape(shape, tokens: int, group) -> dict:
     res["bytes_bf16"] = tokens * k * 2 * d
 
     with torch.no_grad():
-        _, ids, counts, _ = full._route(x)
+        _, ids, counts, _ = full.route(x)
     order = torch.argsort(ids.reshape(-1), stable=True)
     src = order // k
     for payload in ("mxfp8", "bf16"):
         plan = EP.make_plan(counts, group, 16)
         res[f"dispatch_ms_{payload}"] = time_ms(
-            lambda p=payload, pl=plan: EP._Dispatch.apply(x, order, k, pl, p, BACKEND))
+            lambda p=payload, pl=plan: EP.PairsToExperts.apply(x, order, k, pl, p, BACKEND))
         send = (EP.pack_mxfp8_rows(x, src, BACKEND) if payload == "mxfp8"
                 else x[src].contiguous())
         res[f"a2a_ms_{payload}"] = time_ms(

@@ -1,19 +1,20 @@
-"""Expert parallelism (EP) for `MXFP8MoE` over ``torch.distributed``: dispatch, combine, state.
+"""Expert parallelism (EP) for `MXFP8MoE` over ``torch.distributed``: the exchanges, state.
 
 With ``MXFP8MoE(..., ep_group=group)`` each of the ``P = group.size()`` ranks holds
 ``E_l = E / P`` experts -- rank ``r`` holds experts ``[r E_l, (r+1) E_l)``, so ``w_gate_up`` is
 ``(E_l, 2H, D)`` and ``w_down`` ``(E_l, D, H)`` -- while the router and the shared experts are
-replicated. Every rank routes its own tokens; the (token, slot) pairs travel to their expert's rank
-and the expert outputs travel back (two ``all_to_all_single`` per direction, no transport of our
-own: NCCL on GPUs, gloo on CPUs)::
+replicated. The layer's dispatcher is then a `moe_mxfp8.dispatcher.AllToAllDispatcher`, built
+from the pieces here. Every rank routes its own tokens; the (token, slot) pairs travel to their
+expert's rank and the expert outputs travel back (two ``all_to_all_single`` per direction, no
+transport of our own: NCCL on GPUs, gloo on CPUs)::
 
-    route     weights, expert ids, counts (E,) of the rank's T tokens          (as MXFP8MoE)
+    route     weights, expert ids, counts (E,) of the rank's T tokens          (as on one GPU)
     sizes     all_to_all_single of counts (E,) int64 -> recv_counts (P, E_l)   on the device
     splits    send/recv rows per peer to the host: the one sync the collective needs
     dispatch  payload "mxfp8": quantize the T tokens rowwise ONCE (E4M3 + E8M0 per 32 along D),
               gather the T k pairs in expert order as rows [D data bytes | D/32 scale bytes]
               (uint8: gloo has no float8; one collective carries both), all_to_all_single;
-              payload "bf16": the BF16 rows themselves.
+              payload "bf16": the BF16 rows themselves (`PairsToExperts`).
     land      the received rows (source-major, then expert; dequantized to BF16) go to their
               rows of the local experts' expert-sorted layout (`make_plan`: expert j's group
               holds the pairs of source 0, then 1, ... -- the single-GPU order of the
@@ -23,8 +24,8 @@ own: NCCL on GPUs, gloo on CPUs)::
               quantization of the GEMM operands: the received rows enter its routed-expert
               block as tokens with one slot of weight 1.
     experts   the local experts' SwiGLU on that layout, the single-GPU layer's code path
-    combine   output rows back to their source rank in BF16 (all_to_all_single), un-permuted
-              and weighted there exactly as on one GPU.
+    combine   output rows back to their source rank in BF16 (`OutputsToSources`), un-permuted
+              and weighted there exactly as on one GPU (`moe_mxfp8.dispatcher.combine_pairs`).
 
 Backward is the mirror image, through autograd: the combine's backward dispatches ``dy`` to the
 experts (payload ``ep_grad_payload``: ``"bf16"``, default, or ``"mxfp8"``) and the dispatch's
@@ -53,14 +54,14 @@ from the rank's own tokens (as torchtitan's per-rank load-balancing statistics a
 ``tokens_per_expert`` (its pairs per global expert).
 
 Checkpoints: a rank's ``state_dict`` holds its expert shard under the usual keys. A full
-(single-GPU) checkpoint loads into an EP layer directly -- a load hook slices the rank's experts;
-`full_state_dict` gathers the shards back into a single-GPU checkpoint (a collective);
-`merge_expert_shards` / `shard_expert_state_dict` do the same offline on saved per-rank dicts.
+(single-GPU) checkpoint loads into an EP layer directly -- a load hook (`load_full_hook`)
+slices the rank's experts; `full_state_dict` gathers the shards back into a single-GPU
+checkpoint (a collective); `merge_expert_shards` / `shard_expert_state_dict` do the same offline
+on saved per-rank dicts.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -68,10 +69,11 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor
 
-from . import datapath as DP
 from . import layout as L
+from . import routing as RT
 from . import stages as ST
 from .checks import COMPUTE_DTYPE
+from .kernels.mx_format import padded_extent
 from .mx_tensor import FP8
 from .quantize import quantize_rowwise
 from .reference import e8m0_to_float32
@@ -115,7 +117,7 @@ def check_payload(name: str, value, who: str = "MXFP8MoE") -> str:
 
 
 @dataclass
-class _Plan:
+class Plan:
     group: dist.ProcessGroup
     send_splits: list[int]  # rows this rank sends to each peer (its pairs, expert-sorted)
     recv_splits: list[int]  # rows it receives from each peer
@@ -142,7 +144,7 @@ def group_sum(count: Tensor, group) -> int:
     return int(total)
 
 
-def make_plan(counts: Tensor, group, align: int) -> _Plan:
+def make_plan(counts: Tensor, group, align: int) -> Plan:
     """Sizes first, then where every received pair lands (all on the device but the splits).
 
     ``align > 1``: every local expert's group starts on a multiple of ``align`` rows and the
@@ -159,7 +161,7 @@ def make_plan(counts: Tensor, group, align: int) -> _Plan:
 
     local = recv_counts.sum(0)  # (E_l,) pairs per local expert
     grp = (local + align - 1) // align * align
-    m = DP.padded_extent(r, e_local, align)  # static in r: no further host reads
+    m = padded_extent(r, e_local, align)  # static in r: no further host reads
     grp_start = torch.cumsum(grp, 0) - grp  # (E_l,)
     # Chunk (s, j): pairs from source s for local expert j; received s-major, landed j-major.
     before = torch.cumsum(recv_counts, 0) - recv_counts  # (P, E_l) pairs of j from sources < s
@@ -172,7 +174,7 @@ def make_plan(counts: Tensor, group, align: int) -> _Plan:
     ends = torch.cumsum(grp, 0)
     # the last group absorbs the slack up to the static extent (as datapath.route_layout)
     offs = torch.cat([ends[:-1], ends.new_full((1,), m)]).to(torch.int32)
-    return _Plan(group, send_splits, recv_splits, land, offs, m)
+    return Plan(group, send_splits, recv_splits, land, offs, m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ def pack_mxfp8_rows(x: Tensor, index: Tensor, backend: str) -> Tensor:
     """Rows ``x[index]`` of ``x (T, D)``, quantized rowwise, as uint8 payload rows ``[D E4M3
     bytes | D/32 E8M0 scale bytes]`` ``(len(index), D + D/32)``: one Triton kernel on CUDA
     (gather, quantize and pack in one pass), `pack_mxfp8_rows_ref` otherwise."""
-    DP.check_index("pack_mxfp8_rows", "index", index, 1, x, 0, x.shape[0])
+    RT.check_index("pack_mxfp8_rows", "index", index, 1, x, 0, x.shape[0])
     x = x.detach().to(COMPUTE_DTYPE).contiguous()
     if ST.use_triton(x, backend):
         from .kernels import ep_payload_triton
@@ -237,7 +239,7 @@ def unpack_mxfp8_rows_ref(rows: Tensor, d: int) -> Tensor:
     return rearrange(data, "r b k -> r (b k)")
 
 
-def _send_rows(x: Tensor, index: Tensor, payload: str, backend: str, plan: _Plan,
+def _send_rows(x: Tensor, index: Tensor, payload: str, backend: str, plan: Plan,
                reverse: bool) -> Tensor:
     """Rows ``x[index]`` to the peers -> ``(rows received, D)`` BF16. ``reverse``: the
     combine's direction (send as much as was received in the dispatch, and vice versa)."""
@@ -252,7 +254,7 @@ def _send_rows(x: Tensor, index: Tensor, payload: str, backend: str, plan: _Plan
     return _all_to_all(x.to(COMPUTE_DTYPE)[index], n_out, out_splits, in_splits, plan.group)
 
 
-class _Dispatch(torch.autograd.Function):
+class PairsToExperts(torch.autograd.Function):
     """``x (T, D)`` -> ``(R, D)`` BF16: the pairs ``x[order // k]`` this rank's experts receive,
     in arrival order (source-major, then expert); ``order`` is the stable expert sort of the
     ``T k`` (token, slot) pairs. Backward returns their gradients in BF16 and sums the k copies
@@ -280,7 +282,7 @@ class _Dispatch(torch.autograd.Function):
         return dx.to(ctx.dtype), None, None, None, None, None
 
 
-class _Combine(torch.autograd.Function):
+class OutputsToSources(torch.autograd.Function):
     """``y (R, D)`` BF16 expert outputs in arrival order -> ``(T k, D)`` this rank's pairs'
     outputs, expert-sorted (BF16, exact). Backward dispatches ``dy`` with ``grad_payload``."""
 
@@ -295,56 +297,6 @@ class _Combine(torch.autograd.Function):
         idx = torch.arange(grad.shape[0], device=grad.device)
         dy = _send_rows(grad, idx, ctx.grad_payload, ctx.backend, ctx.plan, reverse=False)
         return dy, None, None, None
-
-
-# ---------------------------------------------------------------------------------------------
-# The layer's forward with expert parallelism
-# ---------------------------------------------------------------------------------------------
-
-
-def _local_experts(layer, x_recv: Tensor, plan: _Plan, recipe: str) -> Tensor:
-    """The local experts on the received pairs ``(R, D)`` -> their outputs ``(R, D)`` BF16, on
-    the same code path the single-GPU layer takes (`MXFP8MoE.forward`): the lean data path's
-    routed-expert block, each received pair a "token" with one slot of weight 1. Its dispatch
-    lands row i at plan.land[i] (quantizing on the way), its combine returns y[land[i]]
-    (bf16(y * 1) summed once: exact) -- and its backward takes dy rows as they come
-    (bf16(dy * 1)). ``recipe``: the forward's resolved scale-block recipe."""
-    r = x_recv.shape[0]
-    ar = torch.arange(r, device=x_recv.device)
-    src = torch.full((plan.rows,), -1, dtype=torch.int32, device=x_recv.device)
-    src = src.index_put_((plan.land,), ar.to(torch.int32))
-    ones = torch.ones(r, 1, dtype=torch.float32, device=x_recv.device)
-    return DP.routed_experts(
-        x_recv, layer.w_gate_up.to(COMPUTE_DTYPE), layer.w_down.to(COMPUTE_DTYPE), ones,
-        plan.land.to(torch.int32).view(r, 1), src, plan.offs, precision=layer.precision,
-        backend=layer.backend, wgrad=layer.wgrad, scale_blocks=recipe,
-        weights_q=layer._quantized_weights(x_recv, recipe),  # this rank's experts
-    )
-
-
-def ep_forward(layer, x: Tensor) -> Tensor:
-    """`MXFP8MoE.forward` with ``ep_group`` set: ``x (..., D)`` this rank's tokens."""
-    layer._check_input(x)
-    k = layer.top_k
-    x_flat = rearrange(x, "... d -> (...) d")  # (T, D)
-
-    weights, expert_ids, counts, aux = layer._route(x_flat)
-    layer.aux_loss = aux
-    layer.tokens_per_expert = counts.detach()
-
-    order = torch.argsort(rearrange(expert_ids, "t k -> (t k)"), stable=True)  # (T*k,)
-    if layer.precision == "mxfp8":  # "auto" resolved for this device (warns if it changed)
-        recipe = layer._recipe_for(x.device)
-        align = layer.group_align_rows
-    else:
-        recipe, align = layer.resolved_scale_blocks(), 1
-    plan = make_plan(counts, layer.ep_group, align)
-    x_recv = _Dispatch.apply(x_flat, order, k, plan, layer.ep_payload, layer.backend)
-    y_recv = _local_experts(layer, x_recv, plan, recipe)  # (R, D)
-    y_local = _Combine.apply(y_recv, plan, layer.ep_grad_payload, layer.backend)  # (T*k, D)
-
-    # From here on the single-GPU layer's combine: bf16(y * bf16(w)) summed over k in fp32.
-    return layer._combine(y_local, order, weights, x_flat, x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,7 +357,7 @@ def full_state_dict(layer) -> dict:
     return sd
 
 
-def _load_full_hook(layer, state_dict, prefix, *args, **kwargs) -> None:
+def load_full_hook(layer, state_dict, prefix, *args, **kwargs) -> None:
     """``load_state_dict`` pre-hook: a single-GPU checkpoint's expert tensors (``E`` experts)
     are sliced to this rank's ``E_l``; a shard of the right size loads as is."""
     for name in EXPERT_PARAMS:
@@ -414,37 +366,3 @@ def _load_full_hook(layer, state_dict, prefix, *args, **kwargs) -> None:
         if v is not None and v.shape[0] == layer.num_experts != layer.num_local_experts:
             n = layer.num_local_experts
             state_dict[key] = v[layer.ep_rank * n:(layer.ep_rank + 1) * n]
-
-
-def _share_group_on_deepcopy(layer) -> None:
-    """``copy.deepcopy`` of an EP layer (EMA or eval copies) shares its process group: a
-    communicator is a handle, not state, and cannot be copied. Pickling still refuses the group
-    (save ``state_dict``s instead)."""
-
-    def deepcopy_hook(memo):
-        memo[id(layer.ep_group)] = layer.ep_group
-        del layer.__dict__["__deepcopy__"]  # the plain module copy, then the hook again
-        try:
-            new = copy.deepcopy(layer, memo)
-        finally:
-            layer.__dict__["__deepcopy__"] = deepcopy_hook
-        _share_group_on_deepcopy(new)
-        return new
-
-    layer.__dict__["__deepcopy__"] = deepcopy_hook
-
-
-def setup_layer(layer, group, ep_payload, ep_grad_payload) -> int:
-    """Set the EP attributes of an `MXFP8MoE` being built; returns its local expert count."""
-    if group is None:
-        layer.ep_group, layer.ep_size, layer.ep_rank = None, 1, 0
-    else:
-        layer.ep_group = group
-        layer.ep_size, layer.ep_rank = group_info(group, layer.num_experts)
-        layer.register_load_state_dict_pre_hook(_load_full_hook)
-        _share_group_on_deepcopy(layer)
-    default = "mxfp8" if layer.precision == "mxfp8" else "bf16"
-    layer.ep_payload = check_payload("ep_payload", default if ep_payload is None else ep_payload)
-    layer.ep_grad_payload = check_payload("ep_grad_payload", ep_grad_payload)
-    layer.num_local_experts = layer.num_experts // layer.ep_size
-    return layer.num_local_experts

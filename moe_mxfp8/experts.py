@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import datapath as DP
+from . import routing as RT
 from .autograd import (
     WGRAD_MODES,
     check_layer_dims,
@@ -163,7 +164,7 @@ class MXFP8GroupedExperts(nn.Module):
         recipe = self._recipe(x.device)
         align = group_align_rows(recipe) if self.precision == "mxfp8" else 1
         # the layer's expert block: each row a token routed to its group with weight 1
-        rows, src, offs = DP.route_layout(group[:, None], counts, align)
+        rows, src, offs = RT.route_layout(group[:, None], counts, align)
         ones = torch.ones(m, 1, device=x.device, dtype=torch.float32)
         out = DP.routed_experts(xb, w13, w2.to(COMPUTE_DTYPE), ones, rows, src, offs,
                                 precision=self.precision, backend=self.backend,

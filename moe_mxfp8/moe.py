@@ -10,6 +10,8 @@ Shapes (``T`` tokens = product of the leading dims of ``x``, ``E`` experts, ``k 
     router      logits = x @ router.weight^T                (T, E)  fp32
                 scores = softmax | sigmoid(logits)           (T, E)
                 top-k  -> weights (T, k), expert ids (T, k)  (optionally renormalised to sum 1)
+    dispatch    the layer's dispatcher (`moe_mxfp8.dispatcher`: in this process, or to the
+                experts' ranks with ``ep_group``) takes the pairs to their experts and back:
     permute     the T*k (token, slot) pairs sorted by expert id (stable argsort);
                 offs = cumsum(tokens per expert) int32 (E,), on device, no host sync
     experts     h = grouped_mm(x_sorted, w_gate_up^T)       (T*k, 2H)  gate | up
@@ -49,8 +51,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from . import datapath as DP
-from . import expert_parallel as EP
+from . import dispatcher as DS
 from . import weight_cache as WC
 from .autograd import (
     WGRAD_MODES,
@@ -60,9 +61,8 @@ from .autograd import (
     resolve_scale_blocks,
 )
 from .backend import AUTO, AutoScaleBlocks, check_backend_name
-from .checks import COMPUTE_DTYPE, PRECISIONS, NonFiniteInputError
+from .checks import COMPUTE_DTYPE, PRECISIONS
 from .kernels.mx_format import K_GROUP_ALIGN
-from .op_library import define_op
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 CHECK_FINITE_MODES = ("flag", "raise")
@@ -127,30 +127,6 @@ def check_finite_mode(value, who: str = "MXFP8MoE") -> str:
     if value not in CHECK_FINITE_MODES:
         raise ValueError(f"{who}: check_finite must be one of {CHECK_FINITE_MODES}, got {value!r}")
     return value
-
-
-def nonfinite_error(who: str, count: int, of: str) -> NonFiniteInputError:
-    """The one message of ``check_finite="raise"``: ``count`` tokens of ``of`` are not finite."""
-    return NonFiniteInputError(
-        f"{who}: router scores are not finite for {count} token(s) of {of} (NaN or Inf in the "
-        "input or in router.weight)")
-
-
-@define_op("moe_mxfp8::nonfinite_rows_or_raise")
-def _nonfinite_rows_or_raise(logits: torch.Tensor, who: str) -> torch.Tensor:
-    """``(T,)`` bool: rows of ``logits`` holding NaN/Inf; raises `NonFiniteInputError` if any
-    (reads the count on the host). An operator, so that ``torch.compile`` (also with
-    ``fullgraph=True``) calls it at run time and the same exception reaches the caller."""
-    bad = ~torch.isfinite(logits).all(dim=-1)
-    count = int(bad.sum())
-    if count:
-        raise nonfinite_error(who, count, f"{logits.shape[0]} in this batch")
-    return bad
-
-
-@_nonfinite_rows_or_raise.register_fake
-def _nonfinite_rows_or_raise_fake(logits, who):
-    return logits.new_empty(logits.shape[0], dtype=torch.bool)
 
 
 def group_align_rows(scale_blocks: str) -> int:
@@ -260,6 +236,8 @@ class MXFP8MoE(nn.Module):
     float32 (the same router in both precisions).
     """
 
+    dispatcher: DS.Dispatcher  # installed by `moe_mxfp8.dispatcher.setup_layer` in __init__
+
     def __init__(
         self,
         dim: int,
@@ -346,7 +324,7 @@ class MXFP8MoE(nn.Module):
         self._auto_recipe = AutoScaleBlocks("MXFP8MoE")
         self.num_shared_experts = num_shared_experts
         self.shared_hidden_dim = num_shared_experts * hidden_dim  # torchtitan's FeedForward
-        e_local = EP.setup_layer(self, ep_group, ep_payload, ep_grad_payload)  # E / ep_size
+        e_local = DS.setup_layer(self, ep_group, ep_payload, ep_grad_payload)  # E / ep_size
 
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.router = nn.Linear(dim, num_experts, bias=False, **factory)
@@ -372,6 +350,12 @@ class MXFP8MoE(nn.Module):
     @check_finite.setter
     def check_finite(self, value) -> None:
         self._check_finite = check_finite_mode(value)
+
+    @property
+    def ep_group(self):
+        """The expert-parallel process group, None without one: its dispatcher's
+        (`moe_mxfp8.dispatcher`; copies of the layer share it)."""
+        return self.dispatcher.group
 
     def reset_parameters(self) -> None:
         """Normal init with std ``fan_in^-0.5``: ``D^-0.5`` for the router, ``w_gate_up`` and
@@ -539,26 +523,23 @@ class MXFP8MoE(nn.Module):
 
     def _nonfinite_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """``(T,)`` bool: tokens whose router logits hold NaN/Inf. Sets ``nonfinite_tokens``; with
-        ``check_finite="raise"`` raises `NonFiniteInputError` (on every rank of ``ep_group``)."""
+        ``check_finite="raise"`` the dispatcher raises `NonFiniteInputError` (in one process, or
+        on every rank of ``ep_group`` together)."""
         logits = logits.detach()
-        if self.check_finite == "raise" and self.ep_group is None:
-            bad = torch.ops.moe_mxfp8.nonfinite_rows_or_raise(logits, "MXFP8MoE")
+        if self.check_finite == "raise":
+            bad = self.dispatcher.nonfinite_rows_or_raise(logits)
         else:
             bad = ~torch.isfinite(logits).all(dim=-1)
         self.nonfinite_tokens = bad.sum()
-        if self.check_finite == "raise" and self.ep_group is not None:
-            total = EP.group_sum(self.nonfinite_tokens, self.ep_group)
-            if total:
-                raise nonfinite_error("MXFP8MoE", total, "the expert-parallel group")
         return bad
 
     # -----------------------------------------------------------------------------------------
     # forward pieces
     # -----------------------------------------------------------------------------------------
 
-    def _route(self, x: torch.Tensor):
-        """``x (T, D)`` -> weights ``(T, k)`` fp32, expert ids ``(T, k)`` int64, counts ``(E,)``
-        int64 and the auxiliary loss (fp32 scalar)."""
+    def route(self, x: torch.Tensor) -> DS.Routing:
+        """``x (T, D)`` -> `Routing`: weights ``(T, k)`` fp32, expert ids ``(T, k)`` int64,
+        counts ``(E,)`` int64 (pairs per global expert) and the auxiliary loss (fp32 scalar)."""
         t = x.shape[0]
         dev = x.device.type
         # fp32 logits (fp32 accumulation) even under autocast (which would make them BF16).
@@ -595,7 +576,7 @@ class MXFP8MoE(nn.Module):
         frac = counts.to(torch.float32) / max(t * self.top_k, 1)
         mean_prob = probs.mean(dim=0) if t > 0 else probs.sum(dim=0)
         aux = self.aux_loss_coef * self.num_experts * (frac * mean_prob).sum()
-        return weights, expert_ids, counts, aux
+        return DS.Routing(weights, expert_ids, counts, aux)
 
     def _shared_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Dense SwiGLU of the shared experts in BF16 for both precisions: ``x (T, D)`` bf16 ->
@@ -604,45 +585,30 @@ class MXFP8MoE(nn.Module):
         gate, up = rearrange(h, "t (two h) -> two t h", two=2)
         return F.linear(F.silu(gate) * up, self.shared_w_down.to(COMPUTE_DTYPE))  # (T, D)
 
+    def _experts(self, x: torch.Tensor) -> DS.Experts:
+        """This process's routed experts as a forward on ``x`` runs them: ``scale_blocks``
+        resolved for x's device (``"auto"`` warns if that changed), its group alignment, the
+        cached FP8 weights (``cache_weights=True``)."""
+        if self.precision == "mxfp8":
+            recipe = self._recipe_for(x.device)
+            align = group_align_rows(recipe)
+        else:  # the BF16 twin: nothing quantized, groups packed
+            recipe, align = "1x32", 1
+        return DS.Experts(
+            self.w_gate_up.to(COMPUTE_DTYPE), self.w_down.to(COMPUTE_DTYPE), self.precision,
+            self.backend, self.wgrad, recipe, align, self._quantized_weights(x, recipe),
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x (..., dim)`` -> ``(..., dim)`` (same dtype); sets ``self.aux_loss``."""
-        if self.ep_group is not None:
-            return EP.ep_forward(self, x)  # expert parallel: moe_mxfp8.expert_parallel
+        """``x (..., dim)`` -> ``(..., dim)`` (same dtype); sets ``self.aux_loss``. One path with
+        or without expert parallelism: the dispatcher (`moe_mxfp8.dispatcher`) takes the routed
+        pairs to their experts and back."""
         self._check_input(x)
         x_flat = rearrange(x, "... d -> (...) d")  # (T, D)
-
-        weights, expert_ids, counts, aux = self._route(x_flat)
-        self.aux_loss = aux
-        self.tokens_per_expert = counts.detach()
-
-        # The lean data path (moe_mxfp8.datapath), every recipe and the BF16 twin: dispatch
-        # writes the sorted, group-padded rows already quantized (blocks of 32, or 128 for
-        # "1x128"), SwiGLU and combine are fused with (de)quantization, the backward sums in a
-        # fixed order (deterministic). The BF16 twin runs the same kernels without quantization.
-        recipe = self._recipe_for(x.device) if self.precision == "mxfp8" else "1x32"
-        align = group_align_rows(recipe) if self.precision == "mxfp8" else 1
-        rows, src, offs = DP.route_layout(expert_ids, counts, align)
-        out = DP.routed_experts(
-            x_flat.to(COMPUTE_DTYPE), self.w_gate_up.to(COMPUTE_DTYPE),
-            self.w_down.to(COMPUTE_DTYPE), weights, rows, src, offs,
-            precision=self.precision, backend=self.backend, wgrad=self.wgrad,
-            scale_blocks=recipe, weights_q=self._quantized_weights(x, recipe),
-        )
-        return self._finish(out, x_flat, x)
-
-    def _combine(self, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-                 x_flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The combine of ``forward`` (and of ``ep_forward``): ``y_sorted (T*k, D)`` in expert
-        order, row i the output of (token, slot) ``order[i]`` -> the layer's output (`_finish`)."""
-        t, k = x_flat.shape[0], self.top_k
-        # Un-permute: row i of y_sorted belongs to (token, slot) order[i].
-        y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
-        y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
-        # Weighted sum over the k copies as multiply + sum (the sum accumulates in fp32). Not
-        # einsum: that lowers to a batched GEMM per token whose backward is slow -- measured at
-        # the dsv3 shape (t=65536, k=2, d=7168, H100; docs/design/datapath.md): einsum 41.4 ms
-        # forward+backward, this 10.2 ms; rel. error vs fp32 2.8e-3 vs 3.4e-3 (bf16 products).
-        out = (y_pairs * rearrange(weights.to(COMPUTE_DTYPE), "t k -> t k 1")).sum(dim=1)
+        routing = self.route(x_flat)
+        self.aux_loss = routing.aux_loss
+        self.tokens_per_expert = routing.counts.detach()
+        out = self.dispatcher.run(x_flat, routing, self._experts(x))  # (T, D) bf16
         return self._finish(out, x_flat, x)
 
     def _finish(self, out: torch.Tensor, x_flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -262,7 +262,7 @@ def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
         order = torch.argsort(ids.reshape(-1), stable=True)
         plan = EP.make_plan(counts, dist.group.WORLD, 16)
         x = torch.randn(t, d, generator=gen).to(BF16).requires_grad_()
-        got = EP._Dispatch.apply(x, order, k, plan, "bf16", "reference")
+        got = EP.PairsToExperts.apply(x, order, k, plan, "bf16", "reference")
         assert torch.equal(got, x.detach()[order // k])  # pairs in expert order
         g = (torch.randn(t * k, d, generator=gen) * 10 ** torch.randn(t * k, 1, generator=gen))
         got.backward(g.to(BF16))
@@ -270,6 +270,40 @@ def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
         want = sum(g.to(BF16)[pos[:, j]].float() for j in range(k)).to(BF16)
         assert torch.equal(x.grad, want)
         assert torch.equal(x.grad, ST.dispatch_backward(g.to(BF16), pos, backend="reference"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_dispatcher_holds_the_group_and_copies_share_it(gen, precision):
+    """The layer's dispatcher is chosen once: `LocalDispatcher` without a group,
+    `AllToAllDispatcher` with one. The group lives in the dispatcher (the layer has no
+    ``__deepcopy__`` of its own) and copies of the layer share it. At world size 1 the all-to-all
+    path gives the local path's output and gradients bit for bit. gloo, world 1."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    from moe_mxfp8.dispatcher import AllToAllDispatcher, LocalDispatcher
+
+    opts = {"precision": precision, "backend": LAYER_BACKEND["cpu"], "num_shared_experts": 1}
+    local = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, **opts)
+    assert isinstance(local.dispatcher, LocalDispatcher) and local.ep_group is None
+    _init(0, 1, free_port(), "gloo")
+    try:
+        # an MXFP8 dy payload keeps dx bit-identical only where the dgrad GEMM re-quantizes dy
+        ep = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, ep_group=dist.group.WORLD,
+                      ep_grad_payload=precision, **opts)
+        assert isinstance(ep.dispatcher, AllToAllDispatcher)
+        assert ep.ep_group is dist.group.WORLD and "__deepcopy__" not in vars(ep)
+        ep.load_state_dict(local.state_dict())
+        twin = copy.deepcopy(ep)
+        assert twin.dispatcher is not ep.dispatcher and twin.ep_group is ep.ep_group
+        assert (twin.dispatcher.payload, twin.dispatcher.grad_payload) == (precision, precision)
+        x = torch.randn(3, 11, DIM, generator=gen).to(BF16)
+        dy = torch.randn(3, 11, DIM, generator=gen).to(BF16)
+        y, dx, _ = fwd_bwd(local, x, dy)
+        for layer in (ep, twin):  # the output and input gradient, as across ranks
+            got_y, got_dx, _ = fwd_bwd(layer, x, dy)
+            assert torch.equal(got_y, y) and torch.equal(got_dx, dx)
     finally:
         dist.destroy_process_group()
 
@@ -419,7 +453,7 @@ def test_grouped_experts_is_mxfp8moe_expert_path(gen):
         ex.w3.copy_(mx.w_gate_up[:, h:])
         ex.w2.copy_(mx.w_down)
     xa = x.clone().requires_grad_()
-    weights, ids, counts, _ = mx._route(xa)
+    weights, ids, counts, _ = mx.route(xa)
     order = torch.argsort(ids.reshape(-1), stable=True)
     rows, _, offs = RT.route_layout(ids, counts, mx.group_align_rows)  # the layer's layout
     rows = rows.reshape(-1)[order].long()  # padded-buffer row of each sorted pair

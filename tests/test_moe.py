@@ -661,7 +661,7 @@ def test_group_alignment_padding_changes_no_result(rng):
 
     # The same layer by hand, without padding.
     xa = x.clone().requires_grad_()
-    weights, ids, cnt, aux = mx._route(xa)
+    weights, ids, cnt, aux = mx.route(xa)
     order = torch.argsort(ids.reshape(-1), stable=True)
     offs_u = torch.cumsum(cnt, 0).to(torch.int32)
     w_gu = mx.w_gate_up.detach().clone().requires_grad_()

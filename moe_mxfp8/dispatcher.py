@@ -1,0 +1,232 @@
+"""Token dispatchers of `MXFP8MoE`: how a forward's routed (token, slot) pairs reach their
+experts, and how the experts' outputs come back to their tokens, weighted and summed.
+
+The layer's forward is one code path, with or without expert parallelism::
+
+    check x (..., D) -> x_flat (T, D)
+    route     layer.route(x_flat) -> `Routing`: weights (T, k), expert ids (T, k), counts (E,), aux
+    experts   `Experts`: this process's expert weights and the forward's resolved options
+    dispatch  layer.dispatcher.run(x_flat, routing, experts) -> (T, D) BF16 routed output
+    finish    + shared experts, x's dtype and shape
+
+* `LocalDispatcher` (``ep_group=None``): every expert in this process. `datapath.route_layout`
+  lays the pairs out expert-sorted and group-padded, `datapath.routed_experts` runs the fused
+  dispatch (quantizing on the way), the expert GEMMs with SwiGLU, and the combine.
+* `AllToAllDispatcher` (``ep_group=group``): expert parallelism over ``torch.distributed``
+  (`moe_mxfp8.expert_parallel`: the plan, the MXFP8/BF16 payloads, the two exchanges). The pairs
+  travel to their experts' ranks, the local experts run the same routed-expert block on the
+  received rows, the outputs travel back in BF16 and are weighted on the source rank
+  (`combine_pairs`).
+
+A dispatcher also owns ``check_finite="raise"``'s error (`nonfinite_rows_or_raise`): in one
+process the batch's count is read; across an expert-parallel group it is summed over the group
+first, so every rank raises together (one rank raising alone would leave the others waiting in
+the next all-to-all).
+
+`setup_layer` installs a layer's dispatcher (and its expert-parallel attributes) when the layer
+is built. An `AllToAllDispatcher` holds the process group; its copies (``copy.deepcopy`` of the
+layer: EMA and eval copies) share it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple, TypeAlias
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from . import datapath as DP
+from . import expert_parallel as EP
+from . import routing as RT
+from .checks import COMPUTE_DTYPE, NonFiniteInputError
+from .mx_tensor import MXFP8Tensor
+from .op_library import define_op
+
+
+class Routing(NamedTuple):
+    """The router's decision for ``T`` tokens (`MXFP8MoE.route`)."""
+
+    weights: Tensor  # (T, k) fp32 routing weights (NaN for a non-finite token)
+    expert_ids: Tensor  # (T, k) int64 global expert ids
+    counts: Tensor  # (E,) int64 (token, slot) pairs per global expert
+    aux_loss: Tensor  # fp32 scalar, in the graph
+
+
+class Experts(NamedTuple):
+    """This process's routed experts as one forward runs them (`MXFP8MoE`'s expert block)."""
+
+    w_gate_up: Tensor  # (E_l, 2H, D) bf16
+    w_down: Tensor  # (E_l, D, H) bf16
+    precision: str
+    backend: str
+    wgrad: str
+    scale_blocks: str  # the forward's resolved recipe ("1x32" for the BF16 twin)
+    align: int  # rows each expert group starts on (1: packed, the BF16 twin)
+    weights_q: tuple[MXFP8Tensor, MXFP8Tensor, MXFP8Tensor, MXFP8Tensor] | None  # cached FP8
+
+
+def run_experts(x: Tensor, weights: Tensor, rows: Tensor, src: Tensor, offs: Tensor,
+                experts: Experts) -> Tensor:
+    """`datapath.routed_experts` with ``experts``' weights and options: ``x (T, D)`` bf16 ->
+    ``(T, D)`` bf16 on the layout ``rows/src/offs``."""
+    return DP.routed_experts(
+        x, experts.w_gate_up, experts.w_down, weights, rows, src, offs,
+        precision=experts.precision, backend=experts.backend, wgrad=experts.wgrad,
+        scale_blocks=experts.scale_blocks, weights_q=experts.weights_q,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# check_finite="raise"
+# ---------------------------------------------------------------------------------------------
+
+
+def nonfinite_error(who: str, count: int, of: str) -> NonFiniteInputError:
+    """The one message of ``check_finite="raise"``: ``count`` tokens of ``of`` are not finite."""
+    return NonFiniteInputError(
+        f"{who}: router scores are not finite for {count} token(s) of {of} (NaN or Inf in the "
+        "input or in router.weight)")
+
+
+@define_op("moe_mxfp8::nonfinite_rows_or_raise")
+def _nonfinite_rows_or_raise(logits: Tensor, who: str) -> Tensor:
+    """``(T,)`` bool: rows of ``logits`` holding NaN/Inf; raises `NonFiniteInputError` if any
+    (reads the count on the host). An operator, so that ``torch.compile`` (also with
+    ``fullgraph=True``) calls it at run time and the same exception reaches the caller."""
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    count = int(bad.sum())
+    if count:
+        raise nonfinite_error(who, count, f"{logits.shape[0]} in this batch")
+    return bad
+
+
+@_nonfinite_rows_or_raise.register_fake
+def _nonfinite_rows_or_raise_fake(logits, who):
+    return logits.new_empty(logits.shape[0], dtype=torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# One process
+# ---------------------------------------------------------------------------------------------
+
+
+class LocalDispatcher:
+    """Every expert in this process: the lean data path's fused dispatch, experts and combine
+    (`moe_mxfp8.datapath`; every recipe and the BF16 twin). The dispatch writes the sorted,
+    group-padded rows already quantized, SwiGLU and combine are fused with (de)quantization, the
+    backward sums in a fixed order (deterministic)."""
+
+    group = None  # no process group
+
+    def run(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
+        """``x (T, D)`` this process's tokens -> ``(T, D)`` bf16 routed output."""
+        rows, src, offs = RT.route_layout(routing.expert_ids, routing.counts, experts.align)
+        return run_experts(x.to(COMPUTE_DTYPE), routing.weights, rows, src, offs, experts)
+
+    def nonfinite_rows_or_raise(self, logits: Tensor) -> Tensor:
+        """``(T,)`` bool: tokens whose ``logits`` hold NaN/Inf; `NonFiniteInputError` if any."""
+        return torch.ops.moe_mxfp8.nonfinite_rows_or_raise(logits, "MXFP8MoE")
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def combine_pairs(y_sorted: Tensor, order: Tensor, weights: Tensor) -> Tensor:
+    """``y_sorted (T*k, D)`` bf16 in expert order, row i the output of (token, slot)
+    ``order[i]``, and ``weights (T, k)`` -> ``(T, D)`` bf16: ``sum_j bf16(y * bf16(w))`` with an
+    fp32 sum over the slots, as `datapath.combine`, in eager PyTorch with its autograd."""
+    t, k = weights.shape
+    # Un-permute: row i of y_sorted belongs to (token, slot) order[i].
+    y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+    y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
+    # Weighted sum over the k copies as multiply + sum (the sum accumulates in fp32). Not
+    # einsum: that lowers to a batched GEMM per token whose backward is slow -- measured at
+    # the dsv3 shape (t=65536, k=2, d=7168, H100; docs/design/datapath.md): einsum 41.4 ms
+    # forward+backward, this 10.2 ms; rel. error vs fp32 2.8e-3 vs 3.4e-3 (bf16 products).
+    return (y_pairs * rearrange(weights.to(COMPUTE_DTYPE), "t k -> t k 1")).sum(dim=1)
+
+
+class AllToAllDispatcher:
+    """Expert parallelism over ``group``: this rank's pairs travel to their experts' ranks and
+    the outputs come back (`moe_mxfp8.expert_parallel`, docs/design/expert_parallel.md).
+
+    ``payload`` (``"mxfp8"`` or ``"bf16"``): the tokens' dispatch; ``grad_payload``: the output
+    gradient's dispatch in backward. Expert outputs and input gradients return in BF16."""
+
+    def __init__(self, group, payload: str, grad_payload: str) -> None:
+        self.group = group
+        self.payload = payload
+        self.grad_payload = grad_payload
+
+    def __deepcopy__(self, memo) -> AllToAllDispatcher:
+        """Copies share the process group: a communicator is a handle, not state, and cannot
+        be copied ("cannot pickle ProcessGroup"). Pickling still refuses it (save
+        ``state_dict``s instead)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        return new
+
+    def run(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
+        """``x (T, D)`` this rank's tokens (any count, 0 included) -> ``(T, D)`` bf16 routed
+        output. Collective: every rank of the group calls it."""
+        k = routing.expert_ids.shape[1]
+        order = torch.argsort(rearrange(routing.expert_ids, "t k -> (t k)"), stable=True)
+        plan = EP.make_plan(routing.counts, self.group, experts.align)
+        x_recv = EP.PairsToExperts.apply(x, order, k, plan, self.payload, experts.backend)
+        y_recv = self._local_experts(x_recv, plan, experts)  # (R, D)
+        y_local = EP.OutputsToSources.apply(y_recv, plan, self.grad_payload, experts.backend)
+        # From here on the single-process combine: bf16(y * bf16(w)) summed over k in fp32.
+        return combine_pairs(y_local, order, routing.weights)
+
+    @staticmethod
+    def _local_experts(x_recv: Tensor, plan: EP.Plan, experts: Experts) -> Tensor:
+        """The local experts on the received pairs ``(R, D)`` -> their outputs ``(R, D)`` bf16,
+        on `LocalDispatcher`'s code path: the routed-expert block, each received pair a "token"
+        with one slot of weight 1. Its dispatch lands row i at plan.land[i] (quantizing on the
+        way), its combine returns y[land[i]] (bf16(y * 1) summed once: exact) -- and its
+        backward takes dy rows as they come (bf16(dy * 1))."""
+        r = x_recv.shape[0]
+        ar = torch.arange(r, device=x_recv.device)
+        src = torch.full((plan.rows,), -1, dtype=torch.int32, device=x_recv.device)
+        src = src.index_put_((plan.land,), ar.to(torch.int32))
+        ones = torch.ones(r, 1, dtype=torch.float32, device=x_recv.device)
+        return run_experts(x_recv, ones, plan.land.to(torch.int32).view(r, 1), src, plan.offs,
+                           experts)
+
+    def nonfinite_rows_or_raise(self, logits: Tensor) -> Tensor:
+        """``(T,)`` bool: tokens whose ``logits`` hold NaN/Inf; `NonFiniteInputError` on every
+        rank if any rank of the group has one (a collective)."""
+        bad = ~torch.isfinite(logits).all(dim=-1)
+        total = EP.group_sum(bad.sum(), self.group)
+        if total:
+            raise nonfinite_error("MXFP8MoE", total, "the expert-parallel group")
+        return bad
+
+
+Dispatcher: TypeAlias = LocalDispatcher | AllToAllDispatcher  # what `MXFP8MoE.dispatcher` holds
+
+
+def setup_layer(layer, group, ep_payload, ep_grad_payload) -> int:
+    """Install the dispatcher of an `MXFP8MoE` being built (`AllToAllDispatcher` over ``group``,
+    `LocalDispatcher` when None) with its expert-parallel attributes (``ep_size``, ``ep_rank``,
+    ``ep_payload``, ``ep_grad_payload``, ``num_local_experts``, the full-checkpoint load hook);
+    returns its local expert count."""
+    if group is None:
+        layer.ep_size, layer.ep_rank = 1, 0
+    else:
+        layer.ep_size, layer.ep_rank = EP.group_info(group, layer.num_experts)
+    default = "mxfp8" if layer.precision == "mxfp8" else "bf16"
+    layer.ep_payload = EP.check_payload("ep_payload",
+                                        default if ep_payload is None else ep_payload)
+    layer.ep_grad_payload = EP.check_payload("ep_grad_payload", ep_grad_payload)
+    layer.num_local_experts = layer.num_experts // layer.ep_size
+    if group is None:
+        layer.dispatcher = LocalDispatcher()
+    else:
+        layer.dispatcher = AllToAllDispatcher(group, layer.ep_payload, layer.ep_grad_payload)
+        layer.register_load_state_dict_pre_hook(EP.load_full_hook)
+    return layer.num_local_experts
