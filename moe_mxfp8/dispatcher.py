@@ -220,13 +220,14 @@ def setup_layer(layer, group, ep_payload, ep_grad_payload) -> int:
     else:
         layer.ep_size, layer.ep_rank = EP.group_info(group, layer.num_experts)
     default = "mxfp8" if layer.precision == "mxfp8" else "bf16"
-    layer.ep_payload = EP.check_payload("ep_payload",
-                                        default if ep_payload is None else ep_payload)
-    layer.ep_grad_payload = EP.check_payload("ep_grad_payload", ep_grad_payload)
+    payload = EP.check_payload("ep_payload", default if ep_payload is None else ep_payload)
+    grad_payload = EP.check_payload("ep_grad_payload", ep_grad_payload)
     layer.num_local_experts = layer.num_experts // layer.ep_size
     if group is None:
         layer.dispatcher = LocalDispatcher()
     else:
-        layer.dispatcher = AllToAllDispatcher(group, layer.ep_payload, layer.ep_grad_payload)
+        layer.dispatcher = AllToAllDispatcher(group, payload, grad_payload)
         layer.register_load_state_dict_pre_hook(EP.load_full_hook)
+    # the layer's properties: validated, and handed to an all-to-all dispatcher when set later
+    layer.ep_payload, layer.ep_grad_payload = payload, grad_payload
     return layer.num_local_experts

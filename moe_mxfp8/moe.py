@@ -52,6 +52,7 @@ from einops import rearrange
 from torch import nn
 
 from . import dispatcher as DS
+from . import expert_parallel as EP
 from . import weight_cache as WC
 from .autograd import (
     WGRAD_MODES,
@@ -167,8 +168,7 @@ class MXFP8MoE(nn.Module):
         wgrad: ``"mxfp8"`` or ``"bf16"`` weight gradients of the expert GEMMs (mxfp8 only).
         save_colwise: deprecated on the layer (a `DeprecationWarning`; still honoured, default
             True): the fused data path (`moe_mxfp8.datapath`) always writes the FP8 columnwise
-            copy in its dispatch and SwiGLU passes, so it changes nothing there (same bytes);
-            expert parallelism's eager path still reads it.
+            copy in its dispatch and SwiGLU passes, so it changes no byte and no result.
         weight_blocks: deprecated older name of ``scale_blocks="32x32"`` (a
             `DeprecationWarning`; still honoured, default ``"1x32"``).
         scale_blocks: the scale-block recipe of the expert GEMMs (mxfp8 only; one vocabulary
@@ -356,6 +356,28 @@ class MXFP8MoE(nn.Module):
         """The expert-parallel process group, None without one: its dispatcher's
         (`moe_mxfp8.dispatcher`; copies of the layer share it)."""
         return self.dispatcher.group
+
+    @property
+    def ep_payload(self) -> str:
+        """How the tokens travel to their experts under EP (``"mxfp8"`` or ``"bf16"``)."""
+        return self._ep_payload
+
+    @ep_payload.setter
+    def ep_payload(self, value: str) -> None:
+        self._ep_payload = EP.check_payload("ep_payload", value)
+        if isinstance(self.dispatcher, DS.AllToAllDispatcher):
+            self.dispatcher.payload = self._ep_payload
+
+    @property
+    def ep_grad_payload(self) -> str:
+        """How the output gradient travels back to the experts under EP."""
+        return self._ep_grad_payload
+
+    @ep_grad_payload.setter
+    def ep_grad_payload(self, value: str) -> None:
+        self._ep_grad_payload = EP.check_payload("ep_grad_payload", value)
+        if isinstance(self.dispatcher, DS.AllToAllDispatcher):
+            self.dispatcher.grad_payload = self._ep_grad_payload
 
     def reset_parameters(self) -> None:
         """Normal init with std ``fan_in^-0.5``: ``D^-0.5`` for the router, ``w_gate_up`` and

@@ -602,3 +602,18 @@ def test_gpu_nccl_expert_parallel(gen, ws):
     print("seed", seed)
     mp.spawn(_worker, args=(ws, free_port(), seed, "nccl"), nprocs=ws, join=True)
 
+
+
+def test_payloads_set_after_construction_reach_the_dispatcher():
+    """``ep_payload`` / ``ep_grad_payload`` stay settable after the layer is built: checked
+    with the constructor's message, and handed to the all-to-all dispatcher that reads them."""
+    from moe_mxfp8 import dispatcher as DS
+
+    layer = MXFP8MoE(64, 64, 4, 2)
+    layer.ep_payload = "bf16"
+    assert layer.ep_payload == "bf16"
+    with pytest.raises(ValueError, match="ep_payload"):
+        layer.ep_payload = "fp16"
+    layer.dispatcher = DS.AllToAllDispatcher(None, "mxfp8", "bf16")
+    layer.ep_payload, layer.ep_grad_payload = "bf16", "mxfp8"
+    assert (layer.dispatcher.payload, layer.dispatcher.grad_payload) == ("bf16", "mxfp8")
