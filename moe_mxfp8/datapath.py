@@ -55,16 +55,20 @@ from . import checks as C
 from . import layout as L
 from . import reference as R
 from .backend import _warn_once
-from .checks import PRECISIONS
+from .config import (
+    PRECISIONS,
+    WGRAD_MODES,
+    check_choice,
+    check_scale_blocks,
+    resolve_scale_blocks,
+)
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
-from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS, padded_extent
+from .kernels.mx_format import ACT_BLOCK, WEIGHT_BLOCK_ROWS, padded_extent
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_weights
 
 BF16 = torch.bfloat16
-WGRAD_MODES = ("mxfp8", "bf16")
-WEIGHT_BLOCKS = ("1x32", "32x32")  # the older name's values (scale_blocks covers them)
 INDEX_DTYPES = (torch.int32, torch.int64)  # rows / src: every backend indexes with either
 
 
@@ -237,9 +241,7 @@ def _quantize_ref(v: Tensor, offs: Tensor, qrow: bool, qcol: bool, keep_bf16: bo
 def _check_rows(name: str, f: int, scale_blocks: str, quantized: bool) -> int:
     """The activation block length of ``scale_blocks``, after checking that ``f`` features can
     be ``quantized`` (whole 32-blocks; BF16-only outputs take any width)."""
-    if scale_blocks not in SCALE_BLOCKS:
-        raise ValueError(f"{name}: scale_blocks must be one of {SCALE_BLOCKS}, "
-                         f"got {scale_blocks!r}")
+    check_scale_blocks(scale_blocks, name)
     if quantized and f % L.BLOCK_SIZE:
         raise ValueError(f"{name}: features must be a multiple of {L.BLOCK_SIZE} to quantize, "
                          f"got {f}")
@@ -748,22 +750,10 @@ def routed_experts(
     w_down along N)`` (`moe_mxfp8.weight_cache`); they must be ``w_gate_up``'s and
     ``w_down``'s current values (the GEMMs read them instead of quantizing the weights).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"routed_experts: precision must be one of {PRECISIONS}, "
-                         f"got {precision!r}")
-    if wgrad not in WGRAD_MODES:
-        raise ValueError(f"routed_experts: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
-    if weight_blocks is not None:
-        if weight_blocks not in WEIGHT_BLOCKS:
-            raise ValueError(f"routed_experts: weight_blocks must be one of {WEIGHT_BLOCKS}, "
-                             f"got {weight_blocks!r}")
-        if scale_blocks not in ("1x32", weight_blocks):
-            raise ValueError(f"routed_experts: pass scale_blocks or weight_blocks, not both "
-                             f"({scale_blocks!r} vs {weight_blocks!r})")
-        scale_blocks = weight_blocks
-    if scale_blocks not in SCALE_BLOCKS:
-        raise ValueError(f"routed_experts: scale_blocks must be one of {SCALE_BLOCKS}, "
-                         f"got {scale_blocks!r}")
+    check_choice("routed_experts", "precision", precision, PRECISIONS)
+    check_choice("routed_experts", "wgrad", wgrad, WGRAD_MODES)
+    scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks, "routed_experts")
+    check_scale_blocks(scale_blocks, "routed_experts")  # a recipe ("auto" resolved by the caller)
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if t.dtype != BF16:
             raise TypeError(f"routed_experts: {name} must be bfloat16, got {t.dtype}")

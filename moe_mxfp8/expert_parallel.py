@@ -75,7 +75,6 @@ from .mx_tensor import FP8
 from .quantize import quantize_rowwise
 from .reference import e8m0_to_float32
 
-EP_PAYLOADS = ("mxfp8", "bf16")
 EXPERT_PARAMS = ("w_gate_up", "w_down")  # sharded on dim 0; every other parameter is replicated
 
 
@@ -100,12 +99,6 @@ def group_info(group, num_experts: int, who: str = "MXFP8MoE") -> tuple[int, int
             f"size {size} (each rank holds num_experts / ep_size experts)"
         )
     return size, rank
-
-
-def check_payload(name: str, value, who: str = "MXFP8MoE") -> str:
-    if value not in EP_PAYLOADS:
-        raise ValueError(f"{who}: {name} must be one of {EP_PAYLOADS}, got {value!r}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,8 +426,9 @@ def _share_group_on_deepcopy(layer) -> None:
     layer.__dict__["__deepcopy__"] = deepcopy_hook
 
 
-def setup_layer(layer, group, ep_payload, ep_grad_payload) -> int:
-    """Set the EP attributes of an `MXFP8MoE` being built; returns its local expert count."""
+def setup_layer(layer, group) -> int:
+    """Set the EP attributes of an `MXFP8MoE` being built; returns its local expert count (its
+    payloads ``ep_payload`` / ``ep_grad_payload`` are options of its `MXFP8MoEConfig`)."""
     if group is None:
         layer.ep_group, layer.ep_size, layer.ep_rank = None, 1, 0
     else:
@@ -442,8 +436,5 @@ def setup_layer(layer, group, ep_payload, ep_grad_payload) -> int:
         layer.ep_size, layer.ep_rank = group_info(group, layer.num_experts)
         layer.register_load_state_dict_pre_hook(_load_full_hook)
         _share_group_on_deepcopy(layer)
-    default = "mxfp8" if layer.precision == "mxfp8" else "bf16"
-    layer.ep_payload = check_payload("ep_payload", default if ep_payload is None else ep_payload)
-    layer.ep_grad_payload = check_payload("ep_grad_payload", ep_grad_payload)
     layer.num_local_experts = layer.num_experts // layer.ep_size
     return layer.num_local_experts
