@@ -1,9 +1,10 @@
 """moe_mxfp8: a Mixture-of-Experts layer that trains in MXFP8.
 
-Public API: the layer `MXFP8MoE` with its configuration `MXFP8MoEConfig`, the quantizers (`quantize_rowwise`, `quantize_colwise`, `quantize_dual`,
-`quantize_weights`), `MXFP8Tensor`, the scale layouts (`moe_mxfp8.layout`), the reference
-(`moe_mxfp8.reference`), backend selection (`moe_mxfp8.backend`) and checkpoints that record
-each layer's configuration (`moe_mxfp8.checkpoint`).
+Public API: the layer `MXFP8MoE` with its configuration `MXFP8MoEConfig`, the quantizers
+(`quantize_rowwise`, `quantize_colwise`, `quantize_dual`, `quantize_weights`), `MXFP8Tensor`,
+the scale layouts (`moe_mxfp8.layout`), the reference (`moe_mxfp8.reference`), backend selection
+(`moe_mxfp8.backend`) and checkpoints that record each layer's configuration
+(`moe_mxfp8.checkpoint`).
 """
 
 from __future__ import annotations
