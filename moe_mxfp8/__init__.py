@@ -1,9 +1,10 @@
 """moe_mxfp8: a Mixture-of-Experts layer that trains in MXFP8.
 
-Public API: the quantizers (`quantize_rowwise`, `quantize_colwise`, `quantize_dual`,
-`quantize_weights`), `MXFP8Tensor`, the scale layouts (`moe_mxfp8.layout`), the reference
-(`moe_mxfp8.reference`), backend selection (`moe_mxfp8.backend`) and checkpoints that record
-each layer's configuration (`moe_mxfp8.checkpoint`).
+Public API: the layer `MXFP8MoE` with its configuration `MXFP8MoEConfig`, the quantizers
+(`quantize_rowwise`, `quantize_colwise`, `quantize_dual`, `quantize_weights`), `MXFP8Tensor`,
+the scale layouts (`moe_mxfp8.layout`), the reference (`moe_mxfp8.reference`), backend selection
+(`moe_mxfp8.backend`) and checkpoints that record each layer's configuration
+(`moe_mxfp8.checkpoint`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from . import checkpoint, expert_parallel, layout, reference  # noqa: E402
 from .autograd import grouped_mm  # noqa: E402
 from .backend import resolve_backend  # noqa: E402
 from .checks import NonFiniteInputError  # noqa: E402
+from .config import MXFP8MoEConfig  # noqa: E402
 from .experts import MXFP8GroupedExperts  # noqa: E402
 from .moe import MXFP8MoE  # noqa: E402
 from .mx_tensor import MXFP8Tensor  # noqa: E402
@@ -62,6 +64,7 @@ from .quantize import (  # noqa: E402
 __all__ = [
     "MXFP8GroupedExperts",
     "MXFP8MoE",
+    "MXFP8MoEConfig",
     "MXFP8Tensor",
     "NonFiniteInputError",
     "checkpoint",

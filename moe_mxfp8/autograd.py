@@ -54,15 +54,13 @@ from . import checks as C
 from . import layout as L
 from .backend import AUTO, auto_scale_blocks
 from .checks import COMPUTE_DTYPE
+from .config import WGRAD_MODES, check_choice, check_scale_blocks, resolve_scale_blocks
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .kernels.mx_format import K_GROUP_ALIGN
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
-from .reference import SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
-
-WGRAD_MODES = ("mxfp8", "bf16")
-WEIGHT_BLOCKS = ("1x32", "32x32")  # the older `weight_blocks` name of two of SCALE_BLOCKS
+from .reference import WEIGHT_BLOCK_ROWS
 
 
 def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -73,58 +71,6 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # Argument checks (host-side metadata only; offs values only when offs is on the CPU)
 # ---------------------------------------------------------------------------------------------
-
-
-def check_weight_blocks(weight_blocks, who: str = "grouped_mm") -> None:
-    if not isinstance(weight_blocks, str) or weight_blocks not in WEIGHT_BLOCKS:
-        raise ValueError(
-            f"{who}: weight_blocks must be one of {WEIGHT_BLOCKS} (1x32 blocks, or one scale "
-            f"per 32x32 weight tile), got {weight_blocks!r}"
-        )
-
-
-def check_layer_dims(dim, hidden_dim, num_experts, who: str) -> None:
-    """A layer's sizes: positive ints."""
-    for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{who}: {name} must be a positive int, got {v!r}")
-
-
-def check_mxfp8_dims(precision, dim, hidden_dim, who: str, why: str = "") -> None:
-    """precision="mxfp8": both reduced dims whole MXFP8 blocks (``why``: said after the rule)."""
-    if precision == "mxfp8":
-        for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
-            if v % L.BLOCK_SIZE:
-                raise ValueError(
-                    f"{who}: {name} must be a multiple of {L.BLOCK_SIZE} for "
-                    f"precision='mxfp8'{why}, got {v}"
-                )
-
-
-def check_scale_blocks(scale_blocks, who: str = "grouped_mm", *, auto: bool = False) -> None:
-    """A recipe of `SCALE_BLOCKS` (or ``"auto"`` where ``auto``)."""
-    names = (AUTO, *SCALE_BLOCKS) if auto else SCALE_BLOCKS
-    if not isinstance(scale_blocks, str) or scale_blocks not in names:
-        raise ValueError(
-            f"{who}: scale_blocks must be one of {names} ({'per device; ' if auto else ''}exact "
-            f"MXFP8; 32x32 weight tiles; 1x128 activation blocks with 128x128 weight tiles), "
-            f"got {scale_blocks!r}"
-        )
-
-
-def resolve_scale_blocks(scale_blocks, weight_blocks, who: str = "grouped_mm") -> str:
-    """The recipe (or ``"auto"``) from ``scale_blocks`` and the older ``weight_blocks`` (None or
-    "1x32": not given; "32x32" agrees only with ``scale_blocks`` "auto", "1x32" or "32x32")."""
-    check_scale_blocks(scale_blocks, who, auto=True)
-    if weight_blocks is None:
-        return scale_blocks
-    check_weight_blocks(weight_blocks, who)
-    if weight_blocks == "1x32":
-        return scale_blocks
-    if scale_blocks not in (AUTO, "1x32", weight_blocks):
-        raise ValueError(f"{who}: pass scale_blocks or weight_blocks, not both "
-                         f"({scale_blocks!r} vs {weight_blocks!r})")
-    return weight_blocks
 
 
 def _check_args(
@@ -156,8 +102,7 @@ def _check_args(
             f"grouped_mm: offs has {offs.numel()} groups but w_t has {e} experts (dim 0)"
         )
     C.check_offs(offs, x.shape[0])  # values only where they live on the host (no GPU sync)
-    if wgrad not in WGRAD_MODES:
-        raise ValueError(f"grouped_mm: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
+    check_choice("grouped_mm", "wgrad", wgrad, WGRAD_MODES)
     check_scale_blocks(scale_blocks)
     if not isinstance(backend, str):
         raise TypeError(f"grouped_mm: backend must be a string, got {type(backend).__name__}")

@@ -3,11 +3,12 @@
 A state dict alone does not say how its weights are meant: a ``top_k=2`` checkpoint has the same
 tensors as a ``top_k=4`` one. `save_file` writes the model's state dict (any ``nn.Module``; tied
 weights are stored once, as ``safetensors.torch.save_model`` does) plus, in the safetensors
-metadata, each `MXFP8MoE` submodule's `MXFP8MoE.checkpoint_config` (the constructor arguments
-that change what the weights mean, and which experts an expert-parallel shard holds) under its
-qualified name.
-`load_file` compares them with the model before loading any tensor and refuses a mismatch with
-one line naming the layer, the field and both values. The layer's scale-block recipe is recorded
+metadata, each `MXFP8MoE` submodule's `MXFP8MoE.checkpoint_config` (its `MXFP8MoEConfig`, as
+``to_dict`` writes it and ``from_dict`` reads it back, and which experts an expert-parallel shard
+holds) under its qualified name.
+`load_file` compares the fields that change what the weights mean (`COMPARED_FIELDS`) with the
+model before loading any tensor and refuses a mismatch with one line naming the layer, the field
+and both values. The layer's scale-block recipe is recorded
 too (asked for and in use) but not compared: the BF16 twin and every recipe share the weights; a
 layer asking for ``"auto"`` takes over a recorded explicit recipe::
 
@@ -39,6 +40,7 @@ import warnings
 import torch
 from torch import nn
 
+from .config import MXFP8MoEConfig
 from .moe import MXFP8MoE
 
 LAYERS_KEY = "moe_mxfp8.layers"  # metadata: JSON {qualified layer name: {field: value}}
@@ -46,6 +48,10 @@ CHECKSUMS_KEY = "moe_mxfp8.sha256"  # metadata: JSON {tensor name: SHA-256 hex o
 FORMAT_KEY = "moe_mxfp8.format"
 FORMAT_VERSION = "1"
 RESERVED_KEYS = (LAYERS_KEY, CHECKSUMS_KEY, FORMAT_KEY)
+# Compared on load: what the weights mean (`MXFP8MoEConfig.MEANING_FIELDS`) and which experts
+# they hold. The rest of a layer's record (its whole `MXFP8MoEConfig.to_dict`, the recipe asked
+# for and in use) is informational: the BF16 twin and every recipe share the weights.
+COMPARED_FIELDS = (*MXFP8MoEConfig.MEANING_FIELDS, "expert_shard")
 _READ_CHUNK = 1 << 24  # bytes per read while hashing a file's tensor data
 _warned_unverified: set[str] = set()
 
@@ -213,11 +219,9 @@ def check_layer_configs(model: nn.Module, saved: dict[str, dict] | None, *, stri
                              f"{_layer_name(lacking[0])} ({len(lacking)} such layer(s))")
     for name in sorted(set(have) & set(saved)):
         diffs = [
-            f"{field}={saved[name][field]!r} but the model has {field}={value!r}"
-            for field, value in have[name].items()
-            if field in saved[name] and saved[name][field] != value
-            # the recipe is recorded, not compared (`MXFP8MoE.load_recorded_recipe`)
-            and field != MXFP8MoE.RECIPE_FIELD
+            f"{field}={saved[name][field]!r} but the model has {field}={have[name][field]!r}"
+            for field in COMPARED_FIELDS
+            if field in saved[name] and saved[name][field] != have[name][field]
             # all experts (None) load into an expert-parallel shard too (sliced on load)
             and not (field == "expert_shard" and saved[name][field] is None)
         ]

@@ -12,7 +12,6 @@ from .kernels.grouped_gemm.problem import check_offs, values_on_host  # noqa: F4
 from .kernels.mx_format import KERNEL_INPUT_ALIGN, MAX_EXTENT  # noqa: F401  (the domain's edges)
 
 FLOAT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PRECISIONS = ("mxfp8", "bf16")  # the routed experts' GEMMs: MXFP8, or the BF16 twin
 COMPUTE_DTYPE = torch.bfloat16  # expert GEMM inputs, outputs and gradients (MXFP8 inside GEMMs)
 ROUNDING_MODES = ("rceil", "floor")
 SCALE_LAYOUTS = ("packed", "dense")

@@ -25,22 +25,21 @@ from torch import Tensor
 
 from . import layout as L
 from . import stages as ST
-from .checks import PRECISIONS
+from .config import (
+    PRECISIONS,
+    WGRAD_MODES,
+    check_choice,
+    check_scale_blocks,
+    resolve_scale_blocks,
+)
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
-from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
-
-# re-exported: the layer and expert parallelism reach the layout through this module
-from .kernels.mx_format import padded_extent as padded_extent  # noqa: E402
+from .kernels.mx_format import ACT_BLOCK, WEIGHT_BLOCK_ROWS
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_weights
 from .routing import block_table, check_layout, numel_of
-from .routing import check_index as check_index  # noqa: E402
-from .routing import route_layout as route_layout  # noqa: E402
 
 BF16 = torch.bfloat16
-WGRAD_MODES = ("mxfp8", "bf16")
-WEIGHT_BLOCKS = ("1x32", "32x32")  # the older name's values (scale_blocks covers them)
 
 # ---------------------------------------------------------------------------------------------
 # The routed-expert block: custom ops + autograd
@@ -346,22 +345,10 @@ def routed_experts(
     w_down along N)`` (`moe_mxfp8.weight_cache`); they must be ``w_gate_up``'s and
     ``w_down``'s current values (the GEMMs read them instead of quantizing the weights).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"routed_experts: precision must be one of {PRECISIONS}, "
-                         f"got {precision!r}")
-    if wgrad not in WGRAD_MODES:
-        raise ValueError(f"routed_experts: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
-    if weight_blocks is not None:
-        if weight_blocks not in WEIGHT_BLOCKS:
-            raise ValueError(f"routed_experts: weight_blocks must be one of {WEIGHT_BLOCKS}, "
-                             f"got {weight_blocks!r}")
-        if scale_blocks not in ("1x32", weight_blocks):
-            raise ValueError(f"routed_experts: pass scale_blocks or weight_blocks, not both "
-                             f"({scale_blocks!r} vs {weight_blocks!r})")
-        scale_blocks = weight_blocks
-    if scale_blocks not in SCALE_BLOCKS:
-        raise ValueError(f"routed_experts: scale_blocks must be one of {SCALE_BLOCKS}, "
-                         f"got {scale_blocks!r}")
+    check_choice("routed_experts", "precision", precision, PRECISIONS)
+    check_choice("routed_experts", "wgrad", wgrad, WGRAD_MODES)
+    scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks, "routed_experts")
+    check_scale_blocks(scale_blocks, "routed_experts")  # a recipe ("auto" resolved by the caller)
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if t.dtype != BF16:
             raise TypeError(f"routed_experts: {name} must be bfloat16, got {t.dtype}")

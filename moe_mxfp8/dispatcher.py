@@ -210,24 +210,19 @@ class AllToAllDispatcher:
 Dispatcher: TypeAlias = LocalDispatcher | AllToAllDispatcher  # what `MXFP8MoE.dispatcher` holds
 
 
-def setup_layer(layer, group, ep_payload, ep_grad_payload) -> int:
-    """Install the dispatcher of an `MXFP8MoE` being built (`AllToAllDispatcher` over ``group``,
-    `LocalDispatcher` when None) with its expert-parallel attributes (``ep_size``, ``ep_rank``,
-    ``ep_payload``, ``ep_grad_payload``, ``num_local_experts``, the full-checkpoint load hook);
-    returns its local expert count."""
+def setup_layer(layer, group) -> int:
+    """Install the dispatcher of an `MXFP8MoE` being built (`AllToAllDispatcher` over ``group``
+    with the payloads of the layer's config, `LocalDispatcher` when None) with its
+    expert-parallel attributes (``ep_size``, ``ep_rank``, ``num_local_experts``, the
+    full-checkpoint load hook); returns its local expert count."""
     if group is None:
         layer.ep_size, layer.ep_rank = 1, 0
     else:
         layer.ep_size, layer.ep_rank = EP.group_info(group, layer.num_experts)
-    default = "mxfp8" if layer.precision == "mxfp8" else "bf16"
-    payload = EP.check_payload("ep_payload", default if ep_payload is None else ep_payload)
-    grad_payload = EP.check_payload("ep_grad_payload", ep_grad_payload)
     layer.num_local_experts = layer.num_experts // layer.ep_size
     if group is None:
         layer.dispatcher = LocalDispatcher()
     else:
-        layer.dispatcher = AllToAllDispatcher(group, payload, grad_payload)
+        layer.dispatcher = AllToAllDispatcher(group, layer.ep_payload, layer.ep_grad_payload)
         layer.register_load_state_dict_pre_hook(EP.load_full_hook)
-    # the layer's properties: validated, and handed to an all-to-all dispatcher when set later
-    layer.ep_payload, layer.ep_grad_payload = payload, grad_payload
     return layer.num_local_experts

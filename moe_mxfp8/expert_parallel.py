@@ -78,7 +78,6 @@ from .mx_tensor import FP8
 from .quantize import quantize_rowwise
 from .reference import e8m0_to_float32
 
-EP_PAYLOADS = ("mxfp8", "bf16")
 EXPERT_PARAMS = ("w_gate_up", "w_down")  # sharded on dim 0; every other parameter is replicated
 
 
@@ -103,12 +102,6 @@ def group_info(group, num_experts: int, who: str = "MXFP8MoE") -> tuple[int, int
             f"size {size} (each rank holds num_experts / ep_size experts)"
         )
     return size, rank
-
-
-def check_payload(name: str, value, who: str = "MXFP8MoE") -> str:
-    if value not in EP_PAYLOADS:
-        raise ValueError(f"{who}: {name} must be one of {EP_PAYLOADS}, got {value!r}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------

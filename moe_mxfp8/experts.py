@@ -36,15 +36,9 @@ from torch import nn
 
 from . import datapath as DP
 from . import routing as RT
-from .autograd import (
-    WGRAD_MODES,
-    check_layer_dims,
-    check_mxfp8_dims,
-    check_weight_blocks,
-    resolve_scale_blocks,
-)
 from .backend import AUTO, AutoScaleBlocks
-from .checks import COMPUTE_DTYPE, PRECISIONS
+from .checks import COMPUTE_DTYPE
+from .config import check_expert_options
 from .moe import group_align_rows
 
 
@@ -87,18 +81,10 @@ class MXFP8GroupedExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        check_layer_dims(dim, hidden_dim, num_experts, "MXFP8GroupedExperts")
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"MXFP8GroupedExperts: precision must be one of {PRECISIONS}, got {precision!r}"
-            )
-        if wgrad not in WGRAD_MODES:
-            raise ValueError(
-                f"MXFP8GroupedExperts: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}"
-            )
-        check_weight_blocks(weight_blocks, "MXFP8GroupedExperts")
-        scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks, "MXFP8GroupedExperts")
-        check_mxfp8_dims(precision, dim, hidden_dim, "MXFP8GroupedExperts")
+        scale_blocks = check_expert_options(
+            "MXFP8GroupedExperts", dim=dim, hidden_dim=hidden_dim, num_experts=num_experts,
+            precision=precision, backend=backend, wgrad=wgrad, scale_blocks=scale_blocks,
+            weight_blocks=weight_blocks, env=True)
         self.num_experts = num_experts
         self.use_grouped_mm = bool(use_grouped_mm)
         self.precision = precision

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .autograd import check_mxfp8_dims, grouped_mm
+from .autograd import grouped_mm
+from .config import check_mxfp8_dims
 
 COMPUTE_DTYPE = torch.bfloat16
 # transformers' use_experts_implementation flags and the value the MXFP8 path computes

@@ -42,8 +42,8 @@ counts such tokens on the device (no host sync), for a training loop that skips 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -52,21 +52,12 @@ from einops import rearrange
 from torch import nn
 
 from . import dispatcher as DS
-from . import expert_parallel as EP
 from . import weight_cache as WC
-from .autograd import (
-    WGRAD_MODES,
-    check_layer_dims,
-    check_mxfp8_dims,
-    check_weight_blocks,
-    resolve_scale_blocks,
-)
 from .backend import AUTO, AutoScaleBlocks, check_backend_name
-from .checks import COMPUTE_DTYPE, PRECISIONS
+from .checks import COMPUTE_DTYPE
+from .config import LAYER, MXFP8MoEConfig, check_finite_mode, check_scale_blocks
 from .kernels.mx_format import K_GROUP_ALIGN
 
-SCORE_FUNCS = ("softmax", "sigmoid")
-CHECK_FINITE_MODES = ("flag", "raise")
 PARAM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 (sigmoid)
@@ -120,14 +111,6 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), w.float())
 
 
-def check_finite_mode(value, who: str = "MXFP8MoE") -> str:
-    """``check_finite`` as one of `CHECK_FINITE_MODES`; the older bools mean ``False`` ->
-    ``"flag"`` (no error) and ``True`` -> ``"raise"`` (an error on non-finite input)."""
-    if isinstance(value, bool):
-        return "raise" if value else "flag"
-    if value not in CHECK_FINITE_MODES:
-        raise ValueError(f"{who}: check_finite must be one of {CHECK_FINITE_MODES}, got {value!r}")
-    return value
 
 
 def group_align_rows(scale_blocks: str) -> int:
@@ -135,17 +118,31 @@ def group_align_rows(scale_blocks: str) -> int:
     return GROUP_ALIGN_ROWS_1X128 if scale_blocks == "1x128" else GROUP_ALIGN_ROWS
 
 
-def _deprecated_options(save_colwise, weight_blocks) -> tuple[bool, str]:
-    """The layer's deprecated options with their defaults, one `DeprecationWarning` each when
-    given (``scale_blocks`` replaces ``weight_blocks``; ``save_colwise`` changes no byte of the
-    fused data path)."""
-    for name, value, use in (("save_colwise", save_colwise, "omit it"),
-                             ("weight_blocks", weight_blocks, "use scale_blocks")):
-        if value is not None:
-            warnings.warn(f"MXFP8MoE: {name} is deprecated ({use})", DeprecationWarning,
-                          stacklevel=3)
-    return (True if save_colwise is None else save_colwise,
-            "1x32" if weight_blocks is None else weight_blocks)
+# MXFP8MoE's keyword arguments that make its config (the config's fields and the deprecated
+# weight_blocks), with their defaults: given together with config=, a non-default one is an error
+_OPTIONS = {
+    **{f.name: f.default for f in dataclasses.fields(MXFP8MoEConfig)},
+    "dim": None, "hidden_dim": None, "num_experts": None, "top_k": None,
+    "save_colwise": None, "weight_blocks": None,
+}
+
+
+def _layer_config(config, options: dict) -> MXFP8MoEConfig:
+    """The layer's config: ``config``, or one made of its keyword ``options`` (not both)."""
+    if config is None:
+        return MXFP8MoEConfig.from_options(**options)
+    if not isinstance(config, MXFP8MoEConfig):
+        raise TypeError(f"MXFP8MoE: config must be an MXFP8MoEConfig, got {type(config).__name__}")
+    given = sorted(k for k, v in options.items() if v != _OPTIONS[k])
+    if given:
+        raise ValueError(f"MXFP8MoE: pass config or the layer's options, not both (got config "
+                         f"and {', '.join(given)})")
+    return config
+
+
+def _from_config(name: str) -> Any:
+    """A read-only layer attribute: its config's ``name``."""
+    return property(lambda self: getattr(self._config, name), doc=f"``config.{name}``")
 
 
 class MXFP8MoE(nn.Module):
@@ -211,6 +208,10 @@ class MXFP8MoE(nn.Module):
             what MXFP8 saves against the BF16 twin at mixtral-like shapes, and a write through
             ``param.data`` outside an optimizer step is invisible to it (then call
             `invalidate_weight_cache`).
+        config: all of the options above (but ``ep_group``) as one `MXFP8MoEConfig`, instead
+            of the keyword arguments (not with them): ``MXFP8MoE(config=cfg)``. ``layer.config``
+            is the layer's (frozen) config, and each option above is a read-only attribute
+            (``check_finite`` is assignable).
         device, dtype: of the parameters. ``dtype`` may be bfloat16 (default), float32 (e.g.
             master weights; cast to BF16 for the expert GEMMs in forward) or float16.
 
@@ -240,10 +241,10 @@ class MXFP8MoE(nn.Module):
 
     def __init__(
         self,
-        dim: int,
-        hidden_dim: int,
-        num_experts: int,
-        top_k: int,
+        dim: int | None = None,
+        hidden_dim: int | None = None,
+        num_experts: int | None = None,
+        top_k: int | None = None,
         *,
         precision: str = "mxfp8",
         backend: str = "auto",
@@ -260,80 +261,29 @@ class MXFP8MoE(nn.Module):
         ep_grad_payload: str = "bf16",
         check_finite: str = "flag",
         cache_weights: bool = False,
+        config: MXFP8MoEConfig | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
-        save_colwise, weight_blocks = _deprecated_options(save_colwise, weight_blocks)
-        check_layer_dims(dim, hidden_dim, num_experts, "MXFP8MoE")
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
-            raise ValueError(
-                f"MXFP8MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
-            )
-        if precision not in PRECISIONS:
-            raise ValueError(f"MXFP8MoE: precision must be one of {PRECISIONS}, got {precision!r}")
-        if score_func not in SCORE_FUNCS:
-            raise ValueError(
-                f"MXFP8MoE: score_func must be one of {SCORE_FUNCS}, got {score_func!r}"
-            )
-        if wgrad not in WGRAD_MODES:
-            raise ValueError(f"MXFP8MoE: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
-        check_weight_blocks(weight_blocks, "MXFP8MoE")
-        scale_blocks = resolve_scale_blocks(scale_blocks, weight_blocks, "MXFP8MoE")
-        check_backend_name(backend, "MXFP8MoE", env=precision == "mxfp8")
-        for name, v in (("renormalize", renormalize), ("save_colwise", save_colwise),
-                        ("cache_weights", cache_weights)):
-            if not isinstance(v, bool):
-                raise TypeError(f"MXFP8MoE: {name} must be a bool, got {v!r}")
-        if (
-            not isinstance(aux_loss_coef, (int, float))
-            or isinstance(aux_loss_coef, bool)
-            or not math.isfinite(aux_loss_coef)
-            or aux_loss_coef < 0
-        ):
-            raise ValueError(
-                f"MXFP8MoE: aux_loss_coef must be a finite number >= 0, got {aux_loss_coef!r}"
-            )
-        if (
-            not isinstance(num_shared_experts, int)
-            or isinstance(num_shared_experts, bool)
-            or num_shared_experts < 0
-        ):
-            raise ValueError(
-                f"MXFP8MoE: num_shared_experts must be an int >= 0, got {num_shared_experts!r}"
-            )
+        options = {k: v for k, v in locals().items() if k in _OPTIONS}
+        self._config = cfg = _layer_config(config, options)
+        check_backend_name(cfg.backend, LAYER, env=cfg.precision == "mxfp8")  # the machine
         if dtype not in PARAM_DTYPES:
             raise TypeError(f"MXFP8MoE: dtype must be one of {PARAM_DTYPES}, got {dtype}")
-        check_mxfp8_dims(precision, dim, hidden_dim, "MXFP8MoE",
-                         " (MXFP8 blocks of 32 along every reduced dim)")
-        self.dim = dim
-        self.hidden_dim = hidden_dim
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.precision = precision
-        self.backend = backend
-        self.score_func = score_func
-        self.renormalize = bool(renormalize)
-        self.aux_loss_coef = float(aux_loss_coef)
-        self.wgrad = wgrad
-        self.save_colwise = bool(save_colwise)
-        self.cache_weights = cache_weights
         self._weight_cache: WC.WeightCache | None = None  # made on first use
-        self.scale_blocks = scale_blocks  # as asked: "auto" or a recipe
-        self.check_finite = check_finite  # validated by the property's setter
-        self._auto_recipe = AutoScaleBlocks("MXFP8MoE")
-        self.num_shared_experts = num_shared_experts
-        self.shared_hidden_dim = num_shared_experts * hidden_dim  # torchtitan's FeedForward
-        e_local = DS.setup_layer(self, ep_group, ep_payload, ep_grad_payload)  # E / ep_size
+        self._auto_recipe = AutoScaleBlocks(LAYER)
+        e_local = DS.setup_layer(self, ep_group)  # E / ep_size
 
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.router = nn.Linear(dim, num_experts, bias=False, **factory)
-        self.w_gate_up = nn.Parameter(torch.empty(e_local, 2 * hidden_dim, dim, **factory))
-        self.w_down = nn.Parameter(torch.empty(e_local, dim, hidden_dim, **factory))
-        if num_shared_experts:
-            hs = self.shared_hidden_dim
-            self.shared_w_gate_up = nn.Parameter(torch.empty(2 * hs, dim, **factory))
-            self.shared_w_down = nn.Parameter(torch.empty(dim, hs, **factory))
+        d, h = cfg.dim, cfg.hidden_dim
+        self.router = nn.Linear(d, cfg.num_experts, bias=False, **factory)
+        self.w_gate_up = nn.Parameter(torch.empty(e_local, 2 * h, d, **factory))
+        self.w_down = nn.Parameter(torch.empty(e_local, d, h, **factory))
+        if cfg.num_shared_experts:
+            hs = cfg.shared_hidden_dim
+            self.shared_w_gate_up = nn.Parameter(torch.empty(2 * hs, d, **factory))
+            self.shared_w_down = nn.Parameter(torch.empty(d, hs, **factory))
         else:
             self.register_parameter("shared_w_gate_up", None)
             self.register_parameter("shared_w_down", None)
@@ -342,14 +292,40 @@ class MXFP8MoE(nn.Module):
         self.nonfinite_tokens: torch.Tensor | None = None
         self.reset_parameters()
 
+    # -----------------------------------------------------------------------------------------
+    # the configuration: one frozen MXFP8MoEConfig, its fields read-only attributes
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> MXFP8MoEConfig:
+        """The layer's options (frozen; `MXFP8MoEConfig`)."""
+        return self._config
+
+    dim: int = _from_config("dim")
+    hidden_dim: int = _from_config("hidden_dim")
+    num_experts: int = _from_config("num_experts")
+    top_k: int = _from_config("top_k")
+    precision: str = _from_config("precision")
+    backend: str = _from_config("backend")
+    score_func: str = _from_config("score_func")
+    renormalize: bool = _from_config("renormalize")
+    aux_loss_coef: float = _from_config("aux_loss_coef")
+    wgrad: str = _from_config("wgrad")
+    scale_blocks: str = _from_config("scale_blocks")  # as asked: "auto" or a recipe
+    weight_blocks: str = _from_config("weight_blocks")  # the older name's view of scale_blocks
+    num_shared_experts: int = _from_config("num_shared_experts")
+    shared_hidden_dim: int = _from_config("shared_hidden_dim")  # torchtitan's FeedForward
+    cache_weights: bool = _from_config("cache_weights")
+    save_colwise: bool = _from_config("save_colwise")
+
     @property
     def check_finite(self) -> str:
         """``"flag"`` or ``"raise"`` (see the class doc); assignable, validated."""
-        return self._check_finite
+        return self._config.check_finite
 
     @check_finite.setter
     def check_finite(self, value) -> None:
-        self._check_finite = check_finite_mode(value)
+        self._config = dataclasses.replace(self._config, check_finite=check_finite_mode(value))
 
     @property
     def ep_group(self):
@@ -359,25 +335,26 @@ class MXFP8MoE(nn.Module):
 
     @property
     def ep_payload(self) -> str:
-        """How the tokens travel to their experts under EP (``"mxfp8"`` or ``"bf16"``)."""
-        return self._ep_payload
+        """How the tokens travel to their experts under EP (``"mxfp8"`` or ``"bf16"``);
+        assignable, validated, and handed to an all-to-all dispatcher."""
+        return self._config.resolved_ep_payload
 
     @ep_payload.setter
     def ep_payload(self, value: str) -> None:
-        self._ep_payload = EP.check_payload("ep_payload", value)
+        self._config = dataclasses.replace(self._config, ep_payload=value)
         if isinstance(self.dispatcher, DS.AllToAllDispatcher):
-            self.dispatcher.payload = self._ep_payload
+            self.dispatcher.payload = self.ep_payload
 
     @property
     def ep_grad_payload(self) -> str:
-        """How the output gradient travels back to the experts under EP."""
-        return self._ep_grad_payload
+        """How the output gradient travels back to the experts under EP; assignable."""
+        return self._config.ep_grad_payload
 
     @ep_grad_payload.setter
     def ep_grad_payload(self, value: str) -> None:
-        self._ep_grad_payload = EP.check_payload("ep_grad_payload", value)
+        self._config = dataclasses.replace(self._config, ep_grad_payload=value)
         if isinstance(self.dispatcher, DS.AllToAllDispatcher):
-            self.dispatcher.grad_payload = self._ep_grad_payload
+            self.dispatcher.grad_payload = self.ep_grad_payload
 
     def reset_parameters(self) -> None:
         """Normal init with std ``fan_in^-0.5``: ``D^-0.5`` for the router, ``w_gate_up`` and
@@ -432,11 +409,6 @@ class MXFP8MoE(nn.Module):
         return self._auto_recipe.for_forward(device)
 
     @property
-    def weight_blocks(self) -> str:
-        """The older name's view of ``scale_blocks``: ``"32x32"`` or ``"1x32"``."""
-        return "32x32" if self.scale_blocks == "32x32" else "1x32"
-
-    @property
     def group_align_rows(self) -> int:
         """Rows each expert group of the MXFP8 layout starts on (128 for the 1x128 recipe)."""
         return group_align_rows(self.resolved_scale_blocks())
@@ -445,24 +417,20 @@ class MXFP8MoE(nn.Module):
     # the layer as an object: copies and checkpoint configuration
     # -----------------------------------------------------------------------------------------
 
-    # Constructor arguments that change what the parameters mean: `moe_mxfp8.checkpoint` records
-    # them and loads a checkpoint only into a layer that agrees on every one. precision, backend,
-    # wgrad, save_colwise, weight_blocks, scale_blocks, aux_loss_coef and dtype do not change the
-    # meaning (the BF16 twin loads an MXFP8 checkpoint by design).
-    CHECKPOINT_FIELDS = (
-        "dim", "hidden_dim", "num_experts", "top_k", "num_shared_experts", "score_func",
-        "renormalize",
-    )
+    # The config's fields that change what the parameters mean: `moe_mxfp8.checkpoint` loads a
+    # checkpoint only into a layer that agrees on every one (and on ``expert_shard``).
+    CHECKPOINT_FIELDS = MXFP8MoEConfig.MEANING_FIELDS
 
     # Recorded in a checkpoint, never compared on load: the recipe. ``{"requested": "auto" or a
     # recipe, "resolved": the recipe in use}``; `load_recorded_recipe` keeps an explicit one.
     RECIPE_FIELD = "scale_blocks"
 
     def checkpoint_config(self) -> dict:
-        """The `CHECKPOINT_FIELDS` of this layer, plus ``expert_shard``: ``[ep_rank, ep_size]``
-        when the expert tensors hold one rank's share of the experts, else None (all of them),
-        and the recipe (`RECIPE_FIELD`, informational)."""
-        cfg = {name: getattr(self, name) for name in self.CHECKPOINT_FIELDS}
+        """The layer's record in a checkpoint: its config (`MXFP8MoEConfig.to_dict`; read back
+        by `MXFP8MoEConfig.from_dict`), ``expert_shard``: ``[ep_rank, ep_size]`` when the expert
+        tensors hold one rank's share of the experts, else None (all of them), and the recipe
+        asked for and in use (`RECIPE_FIELD`, informational)."""
+        cfg = self.config.to_dict()
         ep_size = getattr(self, "ep_size", 1)
         cfg["expert_shard"] = [self.ep_rank, ep_size] if ep_size > 1 else None
         cfg[self.RECIPE_FIELD] = {"requested": self.scale_blocks,
@@ -475,8 +443,9 @@ class MXFP8MoE(nn.Module):
         layer's own explicit choice always wins. ``recorded``: the checkpoint's `RECIPE_FIELD`."""
         requested = recorded.get("requested") if isinstance(recorded, dict) else None
         if self.scale_blocks == AUTO and requested not in (None, AUTO):
-            self.scale_blocks = resolve_scale_blocks(requested, None, "MXFP8MoE checkpoint")
-            self._auto_recipe = AutoScaleBlocks("MXFP8MoE")
+            check_scale_blocks(requested, "MXFP8MoE checkpoint")
+            self._config = dataclasses.replace(self._config, scale_blocks=requested)
+            self._auto_recipe = AutoScaleBlocks(LAYER)
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickle) takes ``aux_loss`` detached: the live tensor holds

@@ -34,7 +34,8 @@ from torch import Tensor
 from . import layout as L
 from . import reference as R
 from .backend import _warn_once
-from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS
+from .config import check_scale_blocks
+from .kernels.mx_format import ACT_BLOCK
 from .mx_tensor import FP8, MXFP8Tensor
 from .routing import block_table, check_layout, numel_of
 
@@ -109,9 +110,7 @@ def _quantize_ref(v: Tensor, offs: Tensor, qrow: bool, qcol: bool, keep_bf16: bo
 def _check_rows(name: str, f: int, scale_blocks: str, quantized: bool) -> int:
     """The activation block length of ``scale_blocks``, after checking that ``f`` features can
     be ``quantized`` (whole 32-blocks; BF16-only outputs take any width)."""
-    if scale_blocks not in SCALE_BLOCKS:
-        raise ValueError(f"{name}: scale_blocks must be one of {SCALE_BLOCKS}, "
-                         f"got {scale_blocks!r}")
+    check_scale_blocks(scale_blocks, name)
     if quantized and f % L.BLOCK_SIZE:
         raise ValueError(f"{name}: features must be a multiple of {L.BLOCK_SIZE} to quantize, "
                          f"got {f}")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_mxfp8 import grouped_mm
-from moe_mxfp8.autograd import WEIGHT_BLOCKS, WGRAD_MODES
+from moe_mxfp8.config import WEIGHT_BLOCKS, WGRAD_MODES
 from tests.compare import sqnr_db
 
 OUT_MIN_DB = 27.0

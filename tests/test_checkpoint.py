@@ -13,7 +13,7 @@ from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 from torch import nn
 
-from moe_mxfp8 import MXFP8MoE, checkpoint
+from moe_mxfp8 import MXFP8MoE, MXFP8MoEConfig, checkpoint
 
 BF16 = torch.bfloat16
 BASE = {"dim": 64, "hidden_dim": 64, "num_experts": 4, "top_k": 2}
@@ -58,9 +58,11 @@ def test_roundtrip_records_configuration_and_metadata(tmp_path):
     assert checkpoint.read_metadata(path) == {"step": "7", "head.weight": "emb.weight"}
     cfgs = checkpoint.read_layer_configs(path)
     assert set(cfgs) == {"layers.0", "layers.1"}
-    assert cfgs["layers.1"] == {**BASE, "num_shared_experts": 0, "score_func": "softmax",
-                                "renormalize": True, "expert_shard": None,
+    # the layer's whole config (its to_dict), which experts it holds and the recipe
+    assert cfgs["layers.1"] == {**a.layers[1].config.to_dict(), "expert_shard": None,
                                 "scale_blocks": {"requested": "auto", "resolved": "1x32"}}
+    assert cfgs["layers.1"]["backend"] == "reference" and cfgs["layers.1"]["top_k"] == 2
+    assert MXFP8MoEConfig.from_dict(cfgs["layers.1"]) == a.layers[1].config  # read back
     torch.manual_seed(1)
     b = Tiny()
     assert checkpoint.load_file(b, path) == ([], [])
@@ -104,6 +106,32 @@ def test_precision_backend_and_dtype_are_not_part_of_the_configuration(tmp_path)
     dst = _moe(precision="bf16", dtype=torch.float32, backend="auto", weight_blocks="32x32")
     checkpoint.load_file(dst, path)
     assert torch.equal(dst.w_down, src.w_down.float())
+
+
+# A layer record as the format wrote it before it held the whole config: the fields that change
+# what the weights mean, the expert shard and the recipe.
+OLDER_RECORD = {**BASE, "num_shared_experts": 0, "score_func": "softmax", "renormalize": True,
+                "expert_shard": None, "scale_blocks": {"requested": "1x128", "resolved": "1x128"}}
+
+
+def test_older_records_still_load_and_read_back(tmp_path):
+    """A file whose layer record holds only the compared fields loads (checked on those), its
+    explicit recipe is taken over by a layer asking for "auto", and `from_dict` reads it with
+    the other fields at their defaults."""
+    src = _moe()
+    path = tmp_path / "older.safetensors"
+    st_save_file(src.state_dict(), str(path),
+                 metadata={checkpoint.LAYERS_KEY: json.dumps({"": OLDER_RECORD})})
+    dst = _moe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no checksums recorded
+        checkpoint.load_file(dst, path)
+    assert torch.equal(dst.w_down, src.w_down)
+    assert dst.scale_blocks == "1x128" and dst.config.scale_blocks == "1x128"
+    cfg = MXFP8MoEConfig.from_dict(OLDER_RECORD)
+    assert cfg == MXFP8MoEConfig(**BASE, scale_blocks="1x128")
+    with pytest.raises(ValueError, match="top_k=2 but the model has top_k=1"):
+        checkpoint.load_file(_moe(top_k=1), path)
 
 
 def test_plain_load_state_dict_still_works(tmp_path):

@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe_mxfp8.config import MXFP8MoEConfig
+
 COMPUTE_DTYPE = torch.bfloat16
 INIT_STD = 0.02  # GPT-2 style initialisation of embeddings and projections
 
@@ -128,19 +130,25 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+def moe_config(cfg: ModelConfig, precision: str = "mxfp8", backend: str = "auto",
+               wgrad: str = "mxfp8", scale_blocks: str = "auto") -> MXFP8MoEConfig:
+    """The `MXFP8MoEConfig` of the model's MoE layers (the one place the training options
+    become layer options): sizes and ``aux_loss_coef`` from ``cfg``; ``wgrad`` and
+    ``scale_blocks`` apply to ``precision="mxfp8"`` only (the BF16 twin keeps the defaults)."""
+    numerics = {"wgrad": wgrad, "scale_blocks": scale_blocks} if precision == "mxfp8" else {}
+    return MXFP8MoEConfig(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k,
+                          precision=precision, backend=backend,
+                          aux_loss_coef=cfg.aux_loss_coef, **numerics)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, precision: str, backend: str, wgrad: str = "mxfp8",
-                 scale_blocks: str = "auto"):
+    def __init__(self, cfg: ModelConfig, moe: MXFP8MoEConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.moe_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # fp32 master weights: the MoE casts them to BF16 (or quantizes them) in its forward.
-        self.moe = _moe_class()(
-            cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, precision=precision,
-            backend=backend, aux_loss_coef=cfg.aux_loss_coef, dtype=torch.float32,
-            **({"wgrad": wgrad, "scale_blocks": scale_blocks} if precision == "mxfp8" else {}),
-        )
+        self.moe = _moe_class()(config=moe, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -165,13 +173,11 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, precision: str = "mxfp8", backend: str = "auto",
                  wgrad: str = "mxfp8", scale_blocks: str = "auto"):
         super().__init__()
-        if precision not in ("mxfp8", "bf16"):
-            raise ValueError(f"precision must be 'mxfp8' or 'bf16', got {precision!r}")
+        moe = moe_config(cfg, precision, backend, wgrad, scale_blocks)  # validates them
         self.cfg = cfg
         self.precision = precision
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, precision, backend, wgrad, scale_blocks)
-                                    for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, moe) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.dim // cfg.n_heads // 2 * 2, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)

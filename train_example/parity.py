@@ -62,11 +62,13 @@ from pathlib import Path
 import torch
 
 from moe_mxfp8.backend import AUTO, BACKENDS
+from moe_mxfp8.config import PRECISIONS as LAYER_PRECISIONS
+from moe_mxfp8.config import WGRAD_MODES
 from moe_mxfp8.reference import SCALE_BLOCKS
 
 from . import train as T
 
-PRECISIONS = ("bf16", "mxfp8")
+PRECISIONS = tuple(reversed(LAYER_PRECISIONS))  # the runs, in order: the BF16 baseline first
 LOSS_FIELDS = (
     "step", "lr",
     "bf16_train", "mxfp8_train", "bf16_train_ema", "mxfp8_train_ema", "train_ema_rel_diff",
@@ -92,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="delete the comparison already in OUT and start over; without "
                            "--resume or --overwrite an existing one is refused")
     p.add_argument("--seed", type=nonneg, default=0)
-    p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default=None,
+    p.add_argument("--wgrad", choices=WGRAD_MODES, default=None,
                    help="MXFP8 run's weight-gradient GEMMs (default mxfp8)")
     p.add_argument("--scale-blocks", "--weight-blocks", dest="scale_blocks",
                    choices=(AUTO, *SCALE_BLOCKS), default=None,
@@ -233,7 +235,7 @@ CURVE_STYLE = {
     "bf16": {"color": "tab:blue", "ls": "--", "lw": 1.3, "alpha": 1.0, "zorder": 3},
 }
 MARKERS = {"mxfp8": "o", "bf16": "x"}
-DRAW_ORDER = ("mxfp8", "bf16")  # later on top
+DRAW_ORDER = tuple(reversed(PRECISIONS))  # the BF16 baseline last: drawn on top
 
 
 def figure(rows: list[dict], verdict: dict, title: str, repeats: list[list[dict]] = ()):

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from moe_mxfp8.backend import AUTO, BACKENDS, KERNEL_BACKENDS, resolve_backend
+from moe_mxfp8.config import PRECISIONS, WGRAD_MODES
 from moe_mxfp8.reference import SCALE_BLOCKS
 
 from . import data as D
@@ -178,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the MXFP8MoE byte-level LM on the Python stdlib source.",
     )
     pos, nonneg = int_at_least(1), int_at_least(0)
-    p.add_argument("--precision", choices=("mxfp8", "bf16"), default="mxfp8")
+    p.add_argument("--precision", choices=PRECISIONS, default="mxfp8")
     p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), default="cpu-tiny")
     p.add_argument("--steps", type=pos, default=None, help="default: the preset's")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N]")
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonneg, default=0)
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="MXFP8MoE backend; default 'reference' on CPU, 'auto' on CUDA")
-    p.add_argument("--wgrad", choices=("mxfp8", "bf16"), default="mxfp8",
+    p.add_argument("--wgrad", choices=WGRAD_MODES, default="mxfp8",
                    help="expert weight-gradient GEMMs in MXFP8 (default) or BF16 (mxfp8 only)")
     p.add_argument("--scale-blocks", "--weight-blocks", dest="scale_blocks",
                    choices=(AUTO, *SCALE_BLOCKS), default=AUTO,
