@@ -1,7 +1,7 @@
-"""Triton kernels of the MoE data path (`moe_mxfp8.datapath`): dispatch, SwiGLU and combine,
+"""Triton kernels of the MoE data path (`moe_mxfp8.stages`): dispatch, SwiGLU and combine,
 fused with MXFP8 quantization, and their backward passes. Optional GPU dependency (``triton``).
 
-Every kernel mirrors a pure-PyTorch reference in `moe_mxfp8.datapath` bit for bit (quantized
+Every kernel mirrors a pure-PyTorch reference in `moe_mxfp8.stages` bit for bit (quantized
 bytes, scale bytes, BF16 roundings, sums in a fixed order); the GPU tests check it.
 
 Activation blocks. ``ABLK`` (a constexpr) is the scale-block length of the quantized copies:
@@ -11,7 +11,7 @@ each of the block's 32-blocks, so the copies stay valid MXFP8 tensors).
 
 Row-block grid: the expert-sorted, group-padded buffer of ``M`` rows is cut into blocks of
 ``ABLK`` rows that restart at every group start (the K-grouped blocks of the contract),
-described by a table built on the device (`moe_mxfp8.datapath.block_table`, one int32 row per
+described by a table built on the device (`moe_mxfp8.routing.block_table`, one int32 row per
 block):
 
     rs, re       rows [rs, re) of the block (re == rs: an unused block of the static bound)
@@ -709,7 +709,7 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr
 
 
 # ---------------------------------------------------------------------------------------------
-# Host wrappers (allocation and launch only; argument checks live in moe_mxfp8.datapath).
+# Host wrappers (allocation and launch only; argument checks live in moe_mxfp8.stages).
 # Each launches on its inputs' GPU (`device.on_device`): Triton launches on the current one.
 # ---------------------------------------------------------------------------------------------
 

@@ -447,6 +447,19 @@ class MXFP8MoE(nn.Module):
             self._config = dataclasses.replace(self._config, scale_blocks=requested)
             self._auto_recipe = AutoScaleBlocks(LAYER)
 
+    def __setstate__(self, state: dict) -> None:
+        """A whole layer pickled before `MXFP8MoEConfig` existed (its options as attributes)
+        gets its config built from those attributes."""
+        if "_config" not in state:
+            fields = {f.name for f in dataclasses.fields(MXFP8MoEConfig)}
+            old = {k: state.pop(k) for k in list(state) if k in fields}
+            for private, name in (("_check_finite", "check_finite"),
+                                  ("_ep_payload", "ep_payload")):
+                if private in state:
+                    old[name] = state.pop(private)
+            state["_config"] = MXFP8MoEConfig(**old)
+        super().__setstate__(state)
+
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickle) takes ``aux_loss`` detached: the live tensor holds
         the last forward's autograd graph, which cannot be copied (EMA and eval copies)."""

@@ -244,3 +244,22 @@ def test_each_vocabulary_is_spelled_once():
         where = [f"{p.relative_to(ROOT)}" for p in files for _ in literal.finditer(p.read_text())]
         assert where == ["moe_mxfp8/config.py"], (what, where)
     assert C.WGRAD_MODES is C.PRECISIONS and C.EP_PAYLOADS is C.PRECISIONS
+
+
+def test_a_layer_pickled_before_the_config_loads():
+    """A whole layer pickled before `MXFP8MoEConfig` existed kept its options as attributes
+    (``check_finite`` as ``_check_finite``): unpickling builds its config from them."""
+    import pickle
+
+    layer = MXFP8MoE(64, 96, 4, 2, scale_blocks="1x128", check_finite="raise")
+    state = layer.__getstate__()
+    old = dict(state)
+    cfg = old.pop("_config")
+    old.update({k: v for k, v in cfg.to_dict().items() if k != "check_finite"})
+    old["_check_finite"] = cfg.check_finite
+    restored = MXFP8MoE.__new__(MXFP8MoE)
+    restored.__setstate__(old)
+    assert restored.config == layer.config
+    assert restored.check_finite == "raise" and restored.scale_blocks == "1x128"
+    again = pickle.loads(pickle.dumps(restored))
+    assert again.config == layer.config
