@@ -15,8 +15,8 @@ The layer's forward is one code path, with or without expert parallelism::
 * `AllToAllDispatcher` (``ep_group=group``): expert parallelism over ``torch.distributed``
   (`moe_mxfp8.expert_parallel`: the plan, the MXFP8/BF16 payloads, the two exchanges). The pairs
   travel to their experts' ranks, the local experts run the same routed-expert block on the
-  received rows, the outputs travel back in BF16 and are weighted on the source rank
-  (`combine_pairs`).
+  received rows, the outputs travel back in BF16 and are weighted on the source rank by the
+  data path's combine stage (`stages.weighted_combine`), the single-process layer's math.
 
 A dispatcher also owns ``check_finite="raise"``'s error (`nonfinite_rows_or_raise`): in one
 process the batch's count is read; across an expert-parallel group it is summed over the group
@@ -34,12 +34,12 @@ import copy
 from typing import NamedTuple, TypeAlias
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 from . import datapath as DP
 from . import expert_parallel as EP
 from . import routing as RT
+from . import stages as ST
 from .checks import COMPUTE_DTYPE, NonFiniteInputError
 from .mx_tensor import MXFP8Tensor
 from .op_library import define_op
@@ -135,21 +135,6 @@ class LocalDispatcher:
 # ---------------------------------------------------------------------------------------------
 
 
-def combine_pairs(y_sorted: Tensor, order: Tensor, weights: Tensor) -> Tensor:
-    """``y_sorted (T*k, D)`` bf16 in expert order, row i the output of (token, slot)
-    ``order[i]``, and ``weights (T, k)`` -> ``(T, D)`` bf16: ``sum_j bf16(y * bf16(w))`` with an
-    fp32 sum over the slots, as `datapath.combine`, in eager PyTorch with its autograd."""
-    t, k = weights.shape
-    # Un-permute: row i of y_sorted belongs to (token, slot) order[i].
-    y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
-    y_pairs = rearrange(y_pairs, "(t k) d -> t k d", t=t, k=k)
-    # Weighted sum over the k copies as multiply + sum (the sum accumulates in fp32). Not
-    # einsum: that lowers to a batched GEMM per token whose backward is slow -- measured at
-    # the dsv3 shape (t=65536, k=2, d=7168, H100; docs/design/datapath.md): einsum 41.4 ms
-    # forward+backward, this 10.2 ms; rel. error vs fp32 2.8e-3 vs 3.4e-3 (bf16 products).
-    return (y_pairs * rearrange(weights.to(COMPUTE_DTYPE), "t k -> t k 1")).sum(dim=1)
-
-
 class AllToAllDispatcher:
     """Expert parallelism over ``group``: this rank's pairs travel to their experts' ranks and
     the outputs come back (`moe_mxfp8.expert_parallel`, docs/design/expert_parallel.md).
@@ -174,13 +159,18 @@ class AllToAllDispatcher:
         """``x (T, D)`` this rank's tokens (any count, 0 included) -> ``(T, D)`` bf16 routed
         output. Collective: every rank of the group calls it."""
         k = routing.expert_ids.shape[1]
-        order = torch.argsort(rearrange(routing.expert_ids, "t k -> (t k)"), stable=True)
+        # the pairs in expert order with no padding: src[i] is the pair of sorted row i (the
+        # stable sort), rows[t, j] the sorted row of pair (t, j)
+        rows, src, offs = RT.route_layout(routing.expert_ids, routing.counts, 1)
+        order = src.to(torch.int64)
         plan = EP.make_plan(routing.counts, self.group, experts.align)
         x_recv = EP.PairsToExperts.apply(x, order, k, plan, self.payload, experts.backend)
         y_recv = self._local_experts(x_recv, plan, experts)  # (R, D)
         y_local = EP.OutputsToSources.apply(y_recv, plan, self.grad_payload, experts.backend)
-        # From here on the single-process combine: bf16(y * bf16(w)) summed over k in fp32.
-        return combine_pairs(y_local, order, routing.weights)
+        # From here on the single-process layer's combine stage: bf16(y * bf16(w)) summed over
+        # k in fp32, in slot order, and its backward.
+        return ST.weighted_combine(y_local, routing.weights, rows, src, offs,
+                                   backend=experts.backend)
 
     @staticmethod
     def _local_experts(x_recv: Tensor, plan: EP.Plan, experts: Experts) -> Tensor:

@@ -24,8 +24,9 @@ transport of our own: NCCL on GPUs, gloo on CPUs)::
               quantization of the GEMM operands: the received rows enter its routed-expert
               block as tokens with one slot of weight 1.
     experts   the local experts' SwiGLU on that layout, the single-GPU layer's code path
-    combine   output rows back to their source rank in BF16 (`OutputsToSources`), un-permuted
-              and weighted there exactly as on one GPU (`moe_mxfp8.dispatcher.combine_pairs`).
+    combine   output rows back to their source rank in BF16 (`OutputsToSources`), weighted
+              there by the data path's combine stage, as on one GPU
+              (`moe_mxfp8.stages.weighted_combine`).
 
 Backward is the mirror image, through autograd: the combine's backward dispatches ``dy`` to the
 experts (payload ``ep_grad_payload``: ``"bf16"``, default, or ``"mxfp8"``) and the dispatch's

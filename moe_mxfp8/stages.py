@@ -313,3 +313,30 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
     if need_dw:
         dw = part.sum(0).to(BF16).float()[rows.to(torch.int64)]
     return (*_wrap(outs, offs), dw)
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """`combine` forward, `combine_backward` (BF16 ``dY`` only, no quantized copies) backward."""
+
+    @staticmethod
+    def forward(ctx, y, weights, rows, src, offs, backend):
+        ctx.backend = backend
+        ctx.save_for_backward(y, weights, rows, src, offs)
+        return combine(y, rows, weights, backend=backend)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, weights, rows, src, offs = ctx.saved_tensors
+        _, _, dy, dw = combine_backward(
+            dout, y, src, rows, weights, offs, qrow=False, qcol=False, keep_bf16=True,
+            need_dw=ctx.needs_input_grad[1], backend=ctx.backend)
+        return (dy if ctx.needs_input_grad[0] else None), dw, None, None, None, None
+
+
+def weighted_combine(y: Tensor, weights: Tensor, rows: Tensor, src: Tensor, offs: Tensor, *,
+                     backend: str = "auto") -> Tensor:
+    """`combine` with autograd, for a combine outside the routed-expert block (expert
+    parallelism's, on the rank that routed the tokens): ``y (M, D)`` BF16 rows of a
+    `moe_mxfp8.routing` layout and the routing ``weights (T, k)`` -> ``(T, D)`` BF16; gradients
+    to ``y`` (`combine_backward`'s BF16 ``dY``) and to ``weights`` (fp32)."""
+    return _WeightedCombine.apply(y, weights.float(), rows, src, offs, backend)

@@ -641,3 +641,34 @@ def test_missing_triton_on_cuda_warns_once_and_runs_the_reference(monkeypatch):
         assert ST.use_triton(CudaLike(), "auto") is False
     assert ST.use_triton(CudaLike(), "reference") is False
     assert ST.use_triton(torch.zeros(1), "auto") is False  # CPU tensors never use Triton
+
+
+def test_weighted_combine_is_the_combine_stage_with_autograd(gen):
+    """`stages.weighted_combine` (expert parallelism's combine): forward = `combine_ref`,
+    gradients = `combine_backward_ref`'s BF16 ``dY`` and ``dw``, and both equal the eager
+    un-permute + ``(y * bf16(w)).sum`` it replaced, bit for bit, at k = 1, 2 and 3, a NaN row
+    included (its token alone turns NaN)."""
+    for k in (1, 2, 3):
+        t, e, d = 23, 5, 64
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        counts = torch.bincount(ids.reshape(-1), minlength=e)
+        rows, src, offs = RT.route_layout(ids, counts, 1)
+        y = torch.randn(t * k, d, generator=gen).to(torch.bfloat16)
+        y[3] = float("nan")
+        w = torch.rand(t, k, generator=gen)
+        dout = torch.randn(t, d, generator=gen).to(torch.bfloat16)
+        yg, wg = y.clone().requires_grad_(), w.clone().requires_grad_()
+        out = ST.weighted_combine(yg, wg, rows, src, offs, backend="reference")
+        out.backward(dout)
+        ye, we = y.clone().requires_grad_(), w.clone().requires_grad_()
+        pairs = torch.empty_like(ye).index_copy(0, src.long(), ye).reshape(t, k, d)
+        eager = (pairs * we.to(torch.bfloat16).unsqueeze(-1)).sum(dim=1)
+        eager.backward(dout)
+        same = dict(rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(out, eager, **same)
+        torch.testing.assert_close(out, ST.combine_ref(y, rows, w), **same)
+        bad = int(src[3]) // k  # the token of sorted row 3
+        assert out[bad].isnan().all()
+        assert not out[[i for i in range(t) if i != bad]].isnan().any()
+        torch.testing.assert_close(yg.grad, ye.grad, **same)
+        torch.testing.assert_close(wg.grad, we.grad, rtol=0, atol=0, equal_nan=True)
