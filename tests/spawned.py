@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
 
 # gloo: CPU and the reference backend (CI); nccl: one GPU per rank and the GPU kernels
 DEVICE = {"gloo": "cpu", "nccl": "cuda"}
@@ -16,6 +20,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_rank(rank: int, ws: int, port: int, pg_backend: str) -> None:
+    """Join the ``ws``-rank process group as ``rank`` (nccl: on GPU ``rank``)."""
+    extra = {}
+    if pg_backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ws, timeout=timedelta(seconds=120), **extra)
 
 
 def leave_worker() -> None:

@@ -23,7 +23,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ import torch.multiprocessing as mp
 from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
 from moe_mxfp8 import expert_parallel as EP
 from tests.compare import fwd_bwd, sqnr_db
-from tests.spawned import DEVICE, LAYER_BACKEND, free_port, leave_worker
+from tests.spawned import DEVICE, LAYER_BACKEND, free_port, init_rank, leave_worker
 
 BF16 = torch.bfloat16
 DIM, HIDDEN, EXPERTS, TOP_K = 128, 128, 8, 2  # 128: a whole 1x128 block
@@ -215,18 +214,9 @@ def _run_all(rank: int, ws: int, seed: int, device: str) -> None:
             MXFP8MoE(DIM, HIDDEN, ws + 1, 1, ep_group=dist.group.WORLD)
 
 
-def _init(rank: int, ws: int, port: int, pg_backend: str) -> None:
-    extra = {}
-    if pg_backend == "nccl":
-        torch.cuda.set_device(rank)
-        extra["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=ws, timeout=timedelta(seconds=120), **extra)
-
-
 def _worker(rank: int, ws: int, port: int, seed: int, pg_backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    _init(rank, ws, port, pg_backend)
+    init_rank(rank, ws, port, pg_backend)
     try:
         _run_all(rank, ws, seed, DEVICE[pg_backend])
         # every rank done communicating before any tears its group down: a rank that destroys
@@ -254,7 +244,7 @@ def test_dispatch_backward_sums_k_copies_as_one_gpu(gen):
         pytest.skip("a process group is already initialized")
     from moe_mxfp8 import stages as ST
 
-    _init(0, 1, free_port(), "gloo")
+    init_rank(0, 1, free_port(), "gloo")
     try:
         t, k, e, d = 37, 4, 8, 64
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
@@ -287,7 +277,7 @@ def test_dispatcher_holds_the_group_and_copies_share_it(gen, precision):
     opts = {"precision": precision, "backend": LAYER_BACKEND["cpu"], "num_shared_experts": 1}
     local = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, **opts)
     assert isinstance(local.dispatcher, LocalDispatcher) and local.ep_group is None
-    _init(0, 1, free_port(), "gloo")
+    init_rank(0, 1, free_port(), "gloo")
     try:
         # an MXFP8 dy payload keeps dx bit-identical only where the dgrad GEMM re-quantizes dy
         ep = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, ep_group=dist.group.WORLD,
@@ -578,7 +568,7 @@ def test_gpu_nccl_world_size_1(gen):
         pytest.skip("NCCL is not available")
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
-    _init(0, 1, free_port(), "nccl")
+    init_rank(0, 1, free_port(), "nccl")
     try:
         seed = int(torch.randint(2**31, (1,), generator=gen))
         print("seed", seed)

@@ -18,7 +18,6 @@ collective's order: compared by SQNR.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ from moe_mxfp8 import dcp as DCP
 from moe_mxfp8 import expert_parallel as EP
 from moe_mxfp8 import fsdp as FS
 from tests.compare import fwd_bwd, sqnr_db
-from tests.spawned import DEVICE, LAYER_BACKEND, free_port, leave_worker
+from tests.spawned import DEVICE, LAYER_BACKEND, free_port, init_rank, leave_worker
 
 BF16 = torch.bfloat16
 DIM, HIDDEN, EXPERTS, TOP_K = 64, 64, 8, 2
@@ -168,12 +167,7 @@ CHECKS = {("gloo", 2): [check_fsdp_alone, check_fsdp_ep], ("gloo", 4): [check_fs
 def _worker(rank: int, ws: int, port: int, seed: int, path: str, pg_backend: str = "gloo"
             ) -> None:
     torch.set_num_threads(1)
-    extra = {}
-    if pg_backend == "nccl":
-        torch.cuda.set_device(rank)
-        extra["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=ws, timeout=timedelta(seconds=120), **extra)
+    init_rank(rank, ws, port, pg_backend)
     try:
         for check in CHECKS[pg_backend, ws]:
             args = (path,) if check is check_dcp else ()
