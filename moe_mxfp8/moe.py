@@ -341,9 +341,7 @@ class MXFP8MoE(nn.Module):
 
     @ep_payload.setter
     def ep_payload(self, value: str) -> None:
-        self._config = dataclasses.replace(self._config, ep_payload=value)
-        if isinstance(self.dispatcher, DS.AllToAllDispatcher):
-            self.dispatcher.payload = self.ep_payload
+        self._replace_payloads(ep_payload=value)
 
     @property
     def ep_grad_payload(self) -> str:
@@ -352,8 +350,14 @@ class MXFP8MoE(nn.Module):
 
     @ep_grad_payload.setter
     def ep_grad_payload(self, value: str) -> None:
-        self._config = dataclasses.replace(self._config, ep_grad_payload=value)
+        self._replace_payloads(ep_grad_payload=value)
+
+    def _replace_payloads(self, **change: Any) -> None:
+        """A config with the payload(s) in ``change`` (validated there), handed to an
+        all-to-all dispatcher."""
+        self._config = dataclasses.replace(self._config, **change)
         if isinstance(self.dispatcher, DS.AllToAllDispatcher):
+            self.dispatcher.payload = self.ep_payload
             self.dispatcher.grad_payload = self.ep_grad_payload
 
     def reset_parameters(self) -> None:
