@@ -207,12 +207,10 @@ def setup_layer(layer, group) -> int:
     full-checkpoint load hook); returns its local expert count."""
     if group is None:
         layer.ep_size, layer.ep_rank = 1, 0
-    else:
-        layer.ep_size, layer.ep_rank = EP.group_info(group, layer.num_experts)
-    layer.num_local_experts = layer.num_experts // layer.ep_size
-    if group is None:
         layer.dispatcher = LocalDispatcher()
     else:
+        layer.ep_size, layer.ep_rank = EP.group_info(group, layer.num_experts)
         layer.dispatcher = AllToAllDispatcher(group, layer.ep_payload, layer.ep_grad_payload)
         layer.register_load_state_dict_pre_hook(EP.load_full_hook)
+    layer.num_local_experts = layer.num_experts // layer.ep_size
     return layer.num_local_experts
