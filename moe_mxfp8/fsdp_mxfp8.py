@@ -1,4 +1,4 @@
-"""Expert weights all-gathered as MXFP8 under FSDP2: ``fully_shard_moe(..., mxfp8_all_gather=True)``.
+"""Expert weights all-gathered as MXFP8 under FSDP2: ``fully_shard_moe(mxfp8_all_gather=True)``.
 
 FSDP2 shards ``w_gate_up (E, 2H, D)`` and ``w_down (E, D, H)`` on dim 0, the experts. With the
 default BF16 all-gather every rank receives the BF16 weights and the layer quantizes them (along
@@ -166,8 +166,8 @@ class MXFP8GatheredWeight(torch.Tensor):
     """All-gathered expert weights ``(E, N, K)`` as MXFP8 along K: ``data_u8`` (FP8 bytes) and
     ``scale`` (packed, expert-major), weight tiles of ``block_rows``. It has the weight's shape
     and dtype but no values: only the routed-expert operators read it (as their pre-quantized
-    weights, along K in forward and `weights_along_n` in backward); anything else is an
-    error."""
+    weights, along K in forward and `weights_along_n` in backward); anything else raises
+    NotImplementedError."""
 
     data_u8: torch.Tensor
     scale: torch.Tensor
@@ -205,8 +205,9 @@ class MXFP8GatheredWeight(torch.Tensor):
             return w._same(BF16)  # the layer's cast to its compute dtype: the bytes are its
         if func in DP.PREQUANTIZED_OPS:
             return func(**_with_prequantized(func, args, kwargs))
-        raise TypeError(f"MXFP8GatheredWeight: MXFP8-all-gathered expert weights are read only "
-                        f"by the layer's expert GEMMs, not by {func}")
+        # not a TypeError: Python would turn that into "unsupported operand" for ``w + 1``
+        raise NotImplementedError(f"MXFP8GatheredWeight: MXFP8-all-gathered expert weights are "
+                                  f"read only by the layer's expert GEMMs, not by {func}")
 
 
 def _with_prequantized(func, args, kwargs) -> dict:

@@ -23,13 +23,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from moe_mxfp8.kernels import mx_format
 
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import dcp as DCP
 from moe_mxfp8 import expert_parallel as EP
 from moe_mxfp8 import fsdp as FS
 from moe_mxfp8 import fsdp_mxfp8 as FM
-from moe_mxfp8.kernels import mx_format
 from tests.compare import fwd_bwd, sqnr_db
 from tests.spawned import DEVICE, LAYER_BACKEND, free_port, init_rank, leave_worker
 
