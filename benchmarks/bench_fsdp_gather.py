@@ -31,11 +31,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from moe_mxfp8.kernels.mx_format import BLOCK_SIZE, expert_scale_stride
 
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import fsdp as FS
 from moe_mxfp8 import fsdp_mxfp8 as FM
-from moe_mxfp8.kernels.mx_format import BLOCK_SIZE, expert_scale_stride
 
 BF16 = torch.bfloat16
 MIXTRAL = {"experts": 8, "dim": 4096, "hidden": 14336, "top_k": 2}

@@ -97,9 +97,13 @@ def fully_shard_moe(model: nn.Module, dp_mesh=None, *, ep_dp_mesh=None, world_si
 
 def _gather_as_mxfp8(layer: MXFP8MoE, mesh, on: bool) -> None:
     """With ``mxfp8_all_gather``: check the layer, then make its expert weights all-gather as
-    MXFP8 (`moe_mxfp8.fsdp_mxfp8`)."""
-    if on:
-        FM.check_layer(layer, mesh.size(mesh.ndim - 1))  # FSDP shards over the last dim
+    MXFP8 (`moe_mxfp8.fsdp_mxfp8`). A one-rank shard mesh gathers nothing (FSDP2 then uses the
+    sharded tensor itself): the weights stay as they are."""
+    if not on:
+        return
+    shard_size = mesh.size(mesh.ndim - 1)  # FSDP shards over the mesh's last dim
+    FM.check_layer(layer, shard_size)
+    if shard_size > 1:
         FM.wrap_expert_weights(layer)
 
 
