@@ -13,6 +13,9 @@ Bit-identical where the math is the same:
 
 Replicated parameters under EP (router, shared experts) are summed over four ranks in the
 collective's order: compared by SQNR.
+
+Expert weights all-gathered as MXFP8 (``mxfp8_all_gather=True``) against the BF16 all-gather of
+the same sharding: everything bit-identical, the bytes on the wire counted.
 """
 
 from __future__ import annotations
@@ -174,18 +177,21 @@ def _mxfp8_meshes(device, ws, ep: bool):
             {"ep_group": mesh["ep"].get_group(), "ep_payload": "bf16"})
 
 
-def _sharded_model(device, ws, recipe, mxfp8: bool, ep: bool, state):
+def _sharded_model(device, ws, recipe, mxfp8: bool, ep: bool, state, master: bool = False):
     """A layer of ``recipe`` holding ``state`` inside a root FSDP unit (so the layer reshards
-    after forward and backward all-gathers again), its experts all-gathered as MXFP8 or BF16.
-    Returns (model, layer, the layer's all-gather byte counter)."""
-    from torch.distributed.fsdp import fully_shard
+    after forward and backward all-gathers again), its experts all-gathered as MXFP8 or BF16;
+    ``master``: fp32 parameters all-gathered in BF16 (``MixedPrecisionPolicy``, torchtitan's
+    setting). Returns (model, layer, the layer's all-gather byte counter)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world, shard, ep_opts = _mxfp8_meshes(device, ws, ep)
-    layer = _layer(device, scale_blocks=recipe, **ep_opts)
+    layer = _layer(device, scale_blocks=recipe, dtype=torch.float32 if master else BF16,
+                   **ep_opts)
     layer.load_state_dict(state)
     model = torch.nn.Sequential(layer)
-    FS.fully_shard_moe(model, mxfp8_all_gather=mxfp8, **shard)
-    fully_shard(model, mesh=world)
+    mp_policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=BF16)} if master else {}
+    FS.fully_shard_moe(model, mxfp8_all_gather=mxfp8, **shard, **mp_policy)
+    fully_shard(model, mesh=world, **mp_policy)
     counter = FM.AllGatherBytes()
     layer.set_custom_all_gather(counter)
     return model, layer, counter
@@ -217,11 +223,16 @@ def _check_mxfp8_all_gather(rank: int, ws: int, seed: int, device: str, path: st
     shard_size = ws // 2 if ep else ws
     sl = _slices(ws)[rank]
     ref, x, dy = _batch(seed, ws, device)
-    for recipe in FM.MXFP8_GATHER_RECIPES:
+    # the recipes with BF16 parameters and SGD; 1x128 with fp32 master weights and AdamW (its
+    # foreach ops on the sharded parameters) too
+    cases = [(r, False) for r in FM.MXFP8_GATHER_RECIPES] + [("1x128", True)] * (not ep)
+    for recipe, master in cases:
         runs = {}
         for mxfp8 in (False, True):
-            model, layer, counter = _sharded_model(device, ws, recipe, mxfp8, ep, ref.state_dict())
-            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            model, layer, counter = _sharded_model(device, ws, recipe, mxfp8, ep,
+                                                   ref.state_dict(), master)
+            opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if master
+                   else torch.optim.SGD(model.parameters(), lr=0.5))
             results = []
             for _ in range(2):  # a step, then the next forward on the updated weights
                 y, dx, g = fwd_bwd(model, x[sl], dy[sl])
@@ -248,7 +259,8 @@ def _check_mxfp8_all_gather(rank: int, ws: int, seed: int, device: str, path: st
     assert not any(isinstance(v, FM.MXFP8ShardedWeight) or isinstance(
         getattr(v, "_local_tensor", None), FM.MXFP8ShardedWeight) for v in sd.values())
     DCP.save(model, path)
-    whole = torch.nn.Sequential(_layer(device, scale_blocks=recipe))
+    whole = torch.nn.Sequential(_layer(device, scale_blocks=recipe,
+                                       dtype=got_sd["0.w_gate_up"].dtype))
     DCP.load(whole, path)
     if not ep:  # (with EP the state holds the layer's local experts)
         assert all(torch.equal(v, got_sd[k]) for k, v in whole.state_dict().items())
@@ -311,7 +323,8 @@ def test_fsdp_matches_single_process(gen, ws, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_nccl_fsdp_matches_single_process(gen, tmp_path):
-    """FSDP2 alone and FSDP2 x EP (1 x 2) over NCCL on two GPUs, the GPU kernels; with four
+    """FSDP2 alone and FSDP2 x EP (1 x 2) over NCCL on two GPUs, the GPU kernels, and the
+    expert weights all-gathered as MXFP8 against BF16 (`check_mxfp8_all_gather`); with four
     GPUs FSDP2 x EP at 2 x 2 too."""
     seed = int(torch.randint(2**31, (1,), generator=gen))
     print("seed", seed)
