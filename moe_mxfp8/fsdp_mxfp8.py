@@ -5,8 +5,8 @@ default BF16 all-gather every rank receives the BF16 weights and the layer quant
 K in forward, along N in backward). Here each rank quantizes its own experts along K *before*
 the all-gather (FSDP2's all-gather extension, ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather`` on the parameter's local tensor class) and the FP8 bytes plus their
-E8M0 scales travel instead: 1 byte per element and one scale byte per 32x32 or 128x128 tile
-(packed, `kernels.mx_format.expert_scale_stride` per expert) instead of 2 bytes.
+E8M0 scales travel instead: 1 byte per element plus the packed scales (one byte per 32
+elements, `kernels.mx_format.expert_scale_stride` per expert) instead of 2 bytes.
 
 Same numerics, bit for bit:
 
@@ -23,11 +23,11 @@ Same numerics, bit for bit:
 
 The gathered parameter is an `MXFP8GatheredWeight`: a tensor of the weight's shape and dtype
 holding no BF16 values, only the FP8 bytes and scales. The routed-expert operators
-(`moe_mxfp8.datapath`) take its bytes as their pre-quantized weights; every other use of it is
-an error (nothing silently reads made-up values). Its gradient is the ordinary BF16 gradient of
-the weight's shape, reduce-scattered as before. The sharded parameter's local tensor is an
-`MXFP8ShardedWeight`, which behaves as the plain BF16/fp32 shard it wraps (optimizer steps run
-on it); ``state_dict`` and `moe_mxfp8.dcp` see the plain shard.
+(`moe_mxfp8.datapath`) take its bytes as their pre-quantized weights; every other use of it
+raises NotImplementedError (nothing silently reads made-up values). Its gradient is the
+ordinary BF16 gradient of the weight's shape, reduce-scattered as before. The sharded
+parameter's local tensor is an `MXFP8ShardedWeight`, which behaves as the plain BF16/fp32 shard
+it wraps (optimizer steps run on it); ``state_dict`` and `moe_mxfp8.dcp` see the plain shard.
 """
 
 from __future__ import annotations
@@ -202,7 +202,9 @@ class MXFP8GatheredWeight(torch.Tensor):
             return w._same()  # FSDP2's view of the gathered parameter at its own shape
         if (func is _aten._to_copy.default and w is not None and set(kwargs) == {"dtype"}
                 and kwargs["dtype"] == BF16):
-            return w._same(BF16)  # the layer's cast to its compute dtype: the bytes are its
+            # the layer's cast of fp32 weights to BF16: the bytes were quantized from this cast
+            # (`fsdp_pre_all_gather`), and autograd casts the BF16 gradient back
+            return w._same(BF16)
         if func in DP.PREQUANTIZED_OPS:
             return func(**_with_prequantized(func, args, kwargs))
         # not a TypeError: Python would turn that into "unsupported operand" for ``w + 1``
