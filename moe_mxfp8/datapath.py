@@ -319,6 +319,17 @@ torch.library.register_autograd(
     "moe_mxfp8::routed_experts_fwd", _backward, setup_context=_setup_context
 )
 
+# The routed-expert operators' pre-quantized weight arguments, per pass: forward reads the
+# weights along K, backward along N. Weights that arrive quantized (MXFP8 all-gathered under
+# FSDP2, `moe_mxfp8.fsdp_mxfp8`) fill them by name.
+PREQUANTIZED_OPS = {torch.ops.moe_mxfp8.routed_experts_fwd.default: "K",
+                    torch.ops.moe_mxfp8.routed_experts_bwd.default: "N"}
+PREQUANTIZED_ARGS = {
+    axis: {"w_gate_up": (f"gu_{axis.lower()}", f"gu_{axis.lower()}_scale"),
+           "w_down": (f"dn_{axis.lower()}", f"dn_{axis.lower()}_scale")}
+    for axis in ("K", "N")
+}
+
 
 def routed_experts(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,

@@ -31,6 +31,7 @@ from torch import nn
 
 from . import checkpoint as CK
 from . import expert_parallel as EP
+from . import fsdp_mxfp8 as FM
 from .moe import MXFP8MoE
 
 CONFIG_KEY = CK.LAYERS_KEY  # the one name of the layers' configuration record
@@ -74,7 +75,8 @@ def state_dict(model: nn.Module) -> dict:
         for pname in EP.EXPERT_PARAMS:
             key = f"{name}.{pname}" if name else pname
             param = getattr(layer, pname)
-            local = param.to_local() if isinstance(param, DTensor) else param.detach()
+            # the plain shard (MXFP8 all-gathered weights wrap it: `moe_mxfp8.fsdp_mxfp8`)
+            local = FM.plain(param.to_local() if isinstance(param, DTensor) else param.detach())
             mesh = _expert_mesh(layer, param)
             shape = (layer.num_experts, *param.shape[1:])
             sd[key] = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False,

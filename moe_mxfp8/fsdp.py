@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import expert_parallel as EP
+from . import fsdp_mxfp8 as FM
 from .moe import MXFP8MoE
 
 
@@ -49,12 +50,15 @@ def moe_layers(model: nn.Module) -> list[MXFP8MoE]:
 
 
 def fully_shard_moe(model: nn.Module, dp_mesh=None, *, ep_dp_mesh=None, world_size=None,
-                    **fsdp_kwargs) -> list[MXFP8MoE]:
+                    mxfp8_all_gather: bool = False, **fsdp_kwargs) -> list[MXFP8MoE]:
     """``fully_shard`` every `MXFP8MoE` in ``model`` as its own FSDP unit; returns the layers.
 
     ``dp_mesh``: the data-parallel mesh of layers without EP. ``ep_dp_mesh``: the 1-D mesh of
     the ranks that hold the same experts, for layers with ``ep_group``; ``world_size``: all
     data-parallel ranks (``ep_size * ep_dp_mesh.size()``; the gradient divide factor).
+    ``mxfp8_all_gather``: all-gather the expert weights as MXFP8 (quantized on each rank before
+    the all-gather: about half the bytes, the same results bit for bit; `moe_mxfp8.fsdp_mxfp8`)
+    instead of BF16; for the ``"1x128"`` and ``"32x32"`` recipes, with whole experts per shard.
     ``fsdp_kwargs`` go to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...).
     Shard the layers before their parents: a parent unit then leaves their parameters alone.
     """
@@ -66,6 +70,7 @@ def fully_shard_moe(model: nn.Module, dp_mesh=None, *, ep_dp_mesh=None, world_si
             if dp_mesh is None:
                 raise ValueError("fully_shard_moe: dp_mesh is required for a layer without "
                                  "ep_group")
+            _gather_as_mxfp8(layer, dp_mesh, mxfp8_all_gather)
             fully_shard(layer, mesh=dp_mesh, **fsdp_kwargs)
             continue
         if ep_dp_mesh is None or world_size is None:
@@ -76,6 +81,7 @@ def fully_shard_moe(model: nn.Module, dp_mesh=None, *, ep_dp_mesh=None, world_si
                 f"fully_shard_moe: world_size={world_size} is not ep_size={layer.ep_size} x "
                 f"ep_dp_mesh.size()={ep_dp_mesh.size()}"
             )
+        _gather_as_mxfp8(layer, ep_dp_mesh, mxfp8_all_gather)
         fully_shard(layer, mesh=ep_dp_mesh, **fsdp_kwargs)
         # Divide by all data-parallel ranks, not the ep_dp_mesh's (see the module doc). A sum
         # then one division (a power of two is exact): gloo has no pre-multiplied sum, and the
@@ -87,6 +93,18 @@ def fully_shard_moe(model: nn.Module, dp_mesh=None, *, ep_dp_mesh=None, world_si
         # reduce-scatter runs.
         sharded.set_force_sum_reduction_for_comms(ep_dp_mesh.size() > 1)
     return layers
+
+
+def _gather_as_mxfp8(layer: MXFP8MoE, mesh, on: bool) -> None:
+    """With ``mxfp8_all_gather``: check the layer, then make its expert weights all-gather as
+    MXFP8 (`moe_mxfp8.fsdp_mxfp8`). A one-rank shard mesh gathers nothing (FSDP2 then uses the
+    sharded tensor itself): the weights stay as they are."""
+    if not on:
+        return
+    shard_size = mesh.size(mesh.ndim - 1)  # FSDP shards over the mesh's last dim
+    FM.check_layer(layer, shard_size)
+    if shard_size > 1:
+        FM.wrap_expert_weights(layer)
 
 
 def reduce_replicated_grads(model: nn.Module) -> None:

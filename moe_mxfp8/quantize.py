@@ -221,3 +221,32 @@ def quantize_weights_dual(
     if scale_layout == "packed":
         return along_k, along_n
     return _to_dense(along_k), _to_dense(along_n)
+
+
+TILED_WEIGHT_ROWS = (32, 128)  # weight tiles whose two axes share bytes and scale values
+
+
+def weights_along_n(along_k: MXFP8Tensor) -> MXFP8Tensor:
+    """The N-axis (dgrad) operand of tiled expert weights from their K-axis (fprop) one, exact.
+
+    With one scale per 32x32 or 128x128 tile (``block_rows`` 32 or 128) both orientations hold
+    the same FP8 bytes (transposed) and the same tile scales: element and amax are the tile's in
+    either axis (`quantize_weights`). So ``quantize_weights(w, axis="N")`` is ``along_k``'s data
+    transposed per expert, with each tile's scale laid out for the transposed matrix: one byte
+    copy, no quantizer, no BF16 weights (MXFP8 all-gathered weights, `moe_mxfp8.fsdp_mxfp8`).
+    """
+    if along_k.group_axis != "experts" or along_k.block_rows not in TILED_WEIGHT_ROWS:
+        raise ValueError(f"weights_along_n: needs expert weights with 32x32 or 128x128 scale "
+                         f"tiles, got group_axis={along_k.group_axis!r} block_rows="
+                         f"{along_k.block_rows}")
+    e, n, k = along_k.data.shape
+    C.check_multiple_of("along_k", n, L.BLOCK_SIZE, "the N axis")
+    data = along_k.data.view(torch.uint8).transpose(-2, -1).contiguous().view(along_k.data.dtype)
+    dense = along_k.dense_scales()  # (E, N, K/32): a tile's value on each of its rows and blocks
+    # scale of N-block j on row k: the tile's, read on N row 32 j and K block k // 32
+    per_n_block = dense[:, :: L.BLOCK_SIZE, :]  # (E, N/32, K/32)
+    dense_n = per_n_block.repeat_interleave(L.BLOCK_SIZE, dim=2)[:, :, :k].transpose(1, 2)
+    scale = L.pack_scales_experts(dense_n.contiguous())
+    if along_k.scale_layout == "dense":
+        scale = dense_n.contiguous()
+    return MXFP8Tensor(data, scale, along_k.scale_layout, None, "experts", along_k.block_rows)

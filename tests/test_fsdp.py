@@ -13,6 +13,9 @@ Bit-identical where the math is the same:
 
 Replicated parameters under EP (router, shared experts) are summed over four ranks in the
 collective's order: compared by SQNR.
+
+Expert weights all-gathered as MXFP8 (``mxfp8_all_gather=True``) against the BF16 all-gather of
+the same sharding: everything bit-identical, the bytes on the wire counted.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from moe_mxfp8.kernels import mx_format
 
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import dcp as DCP
 from moe_mxfp8 import expert_parallel as EP
 from moe_mxfp8 import fsdp as FS
+from moe_mxfp8 import fsdp_mxfp8 as FM
 from tests.compare import fwd_bwd, sqnr_db
 from tests.spawned import DEVICE, LAYER_BACKEND, free_port, init_rank, leave_worker
 
@@ -159,9 +164,131 @@ def check_dcp(rank: int, ws: int, seed: int, device: str, path: str) -> None:
         DCP.load(other, path)
 
 
+def _mxfp8_meshes(device, ws, ep: bool):
+    """(the world mesh, ``fully_shard_moe``'s mesh arguments, the layer's EP options): FSDP alone
+    over all ranks, or FSDP x EP on (ws / 2) x 2."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh(device, (ws,))
+    if not ep:
+        return world, {"dp_mesh": world}, {}
+    mesh = init_device_mesh(device, (ws // 2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    return (world, {"ep_dp_mesh": mesh["dp_mod_ep"], "world_size": ws},
+            {"ep_group": mesh["ep"].get_group(), "ep_payload": "bf16"})
+
+
+def _sharded_model(device, ws, recipe, mxfp8: bool, ep: bool, state, master: bool = False):
+    """A layer of ``recipe`` holding ``state`` inside a root FSDP unit (so the layer reshards
+    after forward and backward all-gathers again), its experts all-gathered as MXFP8 or BF16;
+    ``master``: fp32 parameters all-gathered in BF16 (``MixedPrecisionPolicy``, torchtitan's
+    setting). Returns (model, layer, the layer's all-gather byte counter)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world, shard, ep_opts = _mxfp8_meshes(device, ws, ep)
+    layer = _layer(device, scale_blocks=recipe, dtype=torch.float32 if master else BF16,
+                   **ep_opts)
+    layer.load_state_dict(state)
+    model = torch.nn.Sequential(layer)
+    mp_policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=BF16)} if master else {}
+    FS.fully_shard_moe(model, mxfp8_all_gather=mxfp8, **shard, **mp_policy)
+    fully_shard(model, mesh=world, **mp_policy)
+    counter = FM.AllGatherBytes()
+    layer.set_custom_all_gather(counter)
+    return model, layer, counter
+
+
+def _expert_gather_bytes(layer, shard_size: int, mxfp8: bool) -> int:
+    """Bytes one rank sends for the layer's expert weights in one all-gather: its experts' BF16
+    elements, or their FP8 bytes plus each expert's packed scales."""
+    total = 0
+    for name in FM.WRAPPED_PARAMS:
+        e, n, k = getattr(layer, name).shape  # the FSDP DTensor: the layer's (local) experts
+        per_expert = (n * k + mx_format.expert_scale_stride(n, k // mx_format.BLOCK_SIZE)
+                      if mxfp8 else 2 * n * k)
+        total += e // shard_size * per_expert
+    return total
+
+
+def check_mxfp8_all_gather(rank: int, ws: int, seed: int, device: str, path: str) -> None:
+    """``mxfp8_all_gather=True`` against the BF16 all-gather: the same outputs, gradients, step
+    and next step bit for bit (1x128 and 32x32 recipes; FSDP alone and FSDP x EP 1 x 2 at world
+    2 -- a one-rank shard mesh, where nothing is gathered --, FSDP x EP 2 x 2 at 4), the expert
+    bytes on the wire about halved (exactly FP8 + scales), DCP save and load; what it cannot do
+    refused at setup."""
+    for ep in (False, True) if ws == 2 else (True,):
+        _check_mxfp8_all_gather(rank, ws, seed, device, f"{path}_{ep}", ep)
+
+
+def _check_mxfp8_all_gather(rank: int, ws: int, seed: int, device: str, path: str, ep: bool):
+    shard_size = ws // 2 if ep else ws
+    sl = _slices(ws)[rank]
+    ref, x, dy = _batch(seed, ws, device)
+    # the recipes with BF16 parameters and SGD; 1x128 with fp32 master weights and AdamW (its
+    # foreach ops on the sharded parameters) too
+    cases = [(r, False) for r in FM.MXFP8_GATHER_RECIPES] + [("1x128", True)] * (not ep)
+    for recipe, master in cases:
+        runs = {}
+        for mxfp8 in (False, True):
+            model, layer, counter = _sharded_model(device, ws, recipe, mxfp8, ep,
+                                                   ref.state_dict(), master)
+            opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if master
+                   else torch.optim.SGD(model.parameters(), lr=0.5))
+            results = []
+            for _ in range(2):  # a step, then the next forward on the updated weights
+                y, dx, g = fwd_bwd(model, x[sl], dy[sl])
+                if ep:
+                    FS.reduce_replicated_grads(model)
+                results.append((y, dx, {k: _full(v) for k, v in g.items()}))
+                opt.step()
+            state = {k: _full(v) for k, v in model.state_dict().items()}
+            runs[mxfp8] = (results, state, counter.sent)
+        (want, want_sd, bf16_sent), (got, got_sd, mx_sent) = runs[False], runs[True]
+        for (y0, dx0, g0), (y1, dx1, g1) in zip(want, got, strict=True):
+            assert torch.equal(y0, y1) and torch.equal(dx0, dx1), recipe
+            assert all(torch.equal(g0[k], g1[k]) for k in g0), recipe
+        assert all(torch.equal(want_sd[k], got_sd[k]) for k in want_sd), recipe
+        # two steps of (forward + backward) all-gathers of the layer's unit
+        per_gather = [_expert_gather_bytes(layer, shard_size, m) for m in (False, True)]
+        if shard_size == 1:  # FSDP2 gathers nothing on one rank
+            assert bf16_sent == mx_sent == 0, (bf16_sent, mx_sent)
+            continue
+        assert bf16_sent - mx_sent == 4 * (per_gather[0] - per_gather[1]), (bf16_sent, mx_sent)
+        assert 0.5 < per_gather[1] / per_gather[0] < 0.55, per_gather
+    # DCP: the MXFP8-gathered layer saves its plain weights and loads them back
+    sd = DCP.state_dict(model)
+    assert not any(isinstance(v, FM.MXFP8ShardedWeight) or isinstance(
+        getattr(v, "_local_tensor", None), FM.MXFP8ShardedWeight) for v in sd.values())
+    DCP.save(model, path)
+    whole = torch.nn.Sequential(_layer(device, scale_blocks=recipe,
+                                       dtype=got_sd["0.w_gate_up"].dtype))
+    DCP.load(whole, path)
+    if not ep:  # (with EP the state holds the layer's local experts)
+        assert all(torch.equal(v, got_sd[k]) for k, v in whole.state_dict().items())
+    for p in model.parameters():
+        p.data.zero_()
+    DCP.load(model, path)
+    assert all(torch.equal(_full(v), got_sd[k]) for k, v in model.state_dict().items())
+    # refused at setup: the 1x32 weights ("auto" may be 1x32), uneven shards, the weight cache
+    for bad, match in (({"scale_blocks": "1x32"}, "scale_blocks"),
+                       ({"scale_blocks": "auto"}, "scale_blocks"),
+                       ({"num_experts": 6 if ep else 3}, "split evenly"),
+                       ({"cache_weights": True}, "cache_weights"),
+                       ({"precision": "bf16"}, "precision")):
+        if shard_size == 1 and "num_experts" in bad:
+            continue  # one rank holds whole experts whatever their number
+        _, shard, ep_opts = _mxfp8_meshes(device, ws, ep)
+        opts = {"scale_blocks": "1x128", "num_experts": EXPERTS, **bad}
+        layer = MXFP8MoE(DIM, HIDDEN, opts.pop("num_experts"), TOP_K, device=device,
+                         backend=LAYER_BACKEND[device], **opts, **ep_opts)
+        with pytest.raises(ValueError, match=match):
+            FS.fully_shard_moe(layer, mxfp8_all_gather=True, **shard)
+
+
 # CPU: FSDP alone at world 2, FSDP x EP at 4 (CI time); NCCL: every check the GPUs allow
-CHECKS = {("gloo", 2): [check_fsdp_alone, check_fsdp_ep], ("gloo", 4): [check_fsdp_ep, check_dcp],
-          ("nccl", 2): [check_fsdp_alone, check_fsdp_ep], ("nccl", 4): [check_fsdp_ep, check_dcp]}
+CHECKS = {("gloo", 2): [check_fsdp_alone, check_fsdp_ep, check_mxfp8_all_gather],
+          ("gloo", 4): [check_fsdp_ep, check_dcp, check_mxfp8_all_gather],
+          ("nccl", 2): [check_fsdp_alone, check_fsdp_ep, check_mxfp8_all_gather],
+          ("nccl", 4): [check_fsdp_ep, check_dcp, check_mxfp8_all_gather]}
 
 
 def _worker(rank: int, ws: int, port: int, seed: int, path: str, pg_backend: str = "gloo"
@@ -170,8 +297,8 @@ def _worker(rank: int, ws: int, port: int, seed: int, path: str, pg_backend: str
     init_rank(rank, ws, port, pg_backend)
     try:
         for check in CHECKS[pg_backend, ws]:
-            args = (path,) if check is check_dcp else ()
-            check(rank, ws, seed, DEVICE[pg_backend], *args)
+            args = {check_dcp: (path,), check_mxfp8_all_gather: (path + "_mxfp8",)}
+            check(rank, ws, seed, DEVICE[pg_backend], *args.get(check, ()))
         dist.barrier()  # nobody tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
@@ -196,7 +323,8 @@ def test_fsdp_matches_single_process(gen, ws, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_nccl_fsdp_matches_single_process(gen, tmp_path):
-    """FSDP2 alone and FSDP2 x EP (1 x 2) over NCCL on two GPUs, the GPU kernels; with four
+    """FSDP2 alone and FSDP2 x EP (1 x 2) over NCCL on two GPUs, the GPU kernels, and the
+    expert weights all-gathered as MXFP8 against BF16 (`check_mxfp8_all_gather`); with four
     GPUs FSDP2 x EP at 2 x 2 too."""
     seed = int(torch.randint(2**31, (1,), generator=gen))
     print("seed", seed)
