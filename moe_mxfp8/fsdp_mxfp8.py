@@ -236,7 +236,7 @@ def _with_prequantized(func, args, kwargs) -> dict:
 class AllGatherBytes:
     """An FSDP2 all-gather that counts the bytes this rank contributes (``sent``) and the calls
     (``calls``): ``unit.set_custom_all_gather(AllGatherBytes())`` on a ``fully_shard``-ed
-    module, to measure what ``mxfp8_all_gather`` saves. Runs ``all_gather_single``."""
+    module, to measure what ``mxfp8_all_gather`` saves. Runs ``all_gather_into_tensor``."""
 
     def __init__(self) -> None:
         self.sent = 0
@@ -251,4 +251,5 @@ class AllGatherBytes:
 
         self.sent += input_tensor.numel() * input_tensor.element_size()
         self.calls += 1
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                          async_op=async_op)
