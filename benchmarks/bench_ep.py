@@ -10,8 +10,7 @@ tokens / world size) it prints, from rank 0:
   dispatch (quantize + gather + all-to-all + dequantize for MXFP8; gather + all-to-all for
   BF16; the landing is the expert block's own dispatch), and of the all-to-all alone;
 * the layer's forward+backward step: `MXFP8MoE` with ``ep_group`` (token payload MXFP8 or BF16
-  with a BF16 ``dy`` payload, and MXFP8 for both; with ``--chunks 2,4`` also the exchange in
-  that many chunks of local experts, ``ep_chunks``, overlapped with their compute)
+  with a BF16 ``dy`` payload, and MXFP8 for both)
   against the same layer without EP holding every expert, on one GPU with the same tokens --
   at world size 1 that measures the EP path's overhead; at N > 1 the EP step per rank vs one
   GPU doing the rank's share of tokens with all experts.
@@ -64,7 +63,7 @@ def time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def bench_shape(shape, tokens: int, group, chunks: tuple[int, ...] = ()) -> dict:
+def bench_shape(shape, tokens: int, group) -> dict:
     ws = dist.get_world_size(group)
     d, e, k = shape.dim, shape.num_experts, shape.top_k
     torch.manual_seed(0)  # same router and experts on every rank
@@ -102,15 +101,11 @@ def bench_shape(shape, tokens: int, group, chunks: tuple[int, ...] = ()) -> dict
 
     res["step_ms_one_gpu_all_experts"] = time_ms(step(full))
     del full
-    runs = [("mxfp8", "bf16", 1), ("bf16", "bf16", 1), ("mxfp8", "mxfp8", 1)]
-    runs += [(p, g, c) for c in chunks if c > 1 and (e // ws) % c == 0
-             for p, g in (("mxfp8", "bf16"), ("mxfp8", "mxfp8"))]
-    for payload, grad_payload, c in runs:
+    for payload, grad_payload in (("mxfp8", "bf16"), ("bf16", "bf16"), ("mxfp8", "mxfp8")):
         ep = MXFP8MoE(d, shape.hidden, e, k, device=DEV, backend=BACKEND, ep_group=group,
-                      ep_payload=payload, ep_grad_payload=grad_payload, ep_chunks=c)
+                      ep_payload=payload, ep_grad_payload=grad_payload)
         ep.load_state_dict(sd)
         key = payload if grad_payload == "bf16" else f"{payload}_grad_{grad_payload}"
-        key += f"_chunks{c}" if c > 1 else ""
         res[f"step_ms_ep_{key}"] = time_ms(step(ep))
         del ep
     if DEV == "cuda":
@@ -124,8 +119,6 @@ def main() -> None:
     ap.add_argument("--shapes", default="dsv3,qwen3")
     ap.add_argument("--tokens", type=int, default=0, help="tokens per rank (0: shape / ws)")
     ap.add_argument("--json", default="")
-    ap.add_argument("--chunks", default="",
-                    help="comma-separated ep_chunks > 1 to time too (the overlapped exchange)")
     ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()
     global DEV, BACKEND
@@ -145,8 +138,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         tokens = args.tokens or shape.tokens // dist.get_world_size()
-        chunks = tuple(int(c) for c in args.chunks.split(",") if c)
-        r = bench_shape(shape, tokens, group, chunks)
+        r = bench_shape(shape, tokens, group)
         rows.append(r)
         if rank == 0:
             print(json.dumps(r), flush=True)
@@ -160,8 +152,6 @@ def main() -> None:
                   f"{r['a2a_ms_mxfp8']:6.2f}/{r['a2a_ms_bf16']:<6.2f} "
                   f"{r['step_ms_one_gpu_all_experts']:8.1f}/{r['step_ms_ep_mxfp8']:.1f}/"
                   f"{r['step_ms_ep_bf16']:.1f}/{r['step_ms_ep_mxfp8_grad_mxfp8']:.1f}")
-            for key in sorted(k for k in r if "_chunks" in k):
-                print(f"    {key}: {r[key]:.1f} ms")
         if args.json:
             gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
             with open(args.json, "w") as f:

@@ -175,7 +175,6 @@ class MXFP8MoEConfig:
     num_shared_experts: int = 0
     ep_payload: str | None = None
     ep_grad_payload: str = "bf16"
-    ep_chunks: int = 1
     check_finite: str = "flag"
     cache_weights: bool = False
     save_colwise: bool = True
@@ -210,8 +209,6 @@ class MXFP8MoEConfig:
         if self.ep_payload is not None:
             check_choice(who, "ep_payload", self.ep_payload, EP_PAYLOADS)
         check_choice(who, "ep_grad_payload", self.ep_grad_payload, EP_PAYLOADS)
-        if not _is_int(self.ep_chunks) or self.ep_chunks < 1:
-            raise ValueError(f"{who}: ep_chunks must be an int >= 1, got {self.ep_chunks!r}")
         # the stored spellings (frozen: set through object.__setattr__, once, here)
         object.__setattr__(self, "check_finite", check_finite_mode(self.check_finite, who))
         object.__setattr__(self, "aux_loss_coef", float(coef))

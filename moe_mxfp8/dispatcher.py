@@ -34,7 +34,6 @@ import copy
 from typing import NamedTuple, TypeAlias
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from . import datapath as DP
@@ -143,11 +142,10 @@ class AllToAllDispatcher:
     ``payload`` (``"mxfp8"`` or ``"bf16"``): the tokens' dispatch; ``grad_payload``: the output
     gradient's dispatch in backward. Expert outputs and input gradients return in BF16."""
 
-    def __init__(self, group, payload: str, grad_payload: str, chunks: int = 1) -> None:
+    def __init__(self, group, payload: str, grad_payload: str) -> None:
         self.group = group
         self.payload = payload
         self.grad_payload = grad_payload
-        self.chunks = chunks
 
     def __deepcopy__(self, memo) -> AllToAllDispatcher:
         """Copies share the process group: a communicator is a handle, not state, and cannot
@@ -160,8 +158,6 @@ class AllToAllDispatcher:
     def run(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
         """``x (T, D)`` this rank's tokens (any count, 0 included) -> ``(T, D)`` bf16 routed
         output. Collective: every rank of the group calls it."""
-        if self.chunks > 1:
-            return self._run_overlapped(x, routing, experts)
         k = routing.expert_ids.shape[1]
         # the pairs in expert order with no padding: src[i] is the pair of sorted row i (the
         # stable sort), rows[t, j] the sorted row of pair (t, j)
@@ -174,28 +170,6 @@ class AllToAllDispatcher:
         # From here on the single-process layer's combine stage: bf16(y * bf16(w)) summed over
         # k in fp32, in slot order, and its backward.
         return ST.weighted_combine(y_local, routing.weights, rows, src, offs,
-                                   backend=experts.backend)
-
-    def _run_overlapped(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
-        """`run` with the exchange in ``chunks`` chunks of local experts, each chunk's
-        all-to-all overlapping another chunk's experts (`expert_parallel.OverlappedExchange`);
-        the same results bit for bit."""
-        k = routing.expert_ids.shape[1]
-        size = dist.get_world_size(self.group)
-        # the pairs sorted chunk-major (then destination rank, then expert): a chunk's pairs
-        # are consecutive rows and the combine below is `run`'s on another row order
-        label = EP.chunk_labels(routing.counts.numel(), size, self.chunks, x.device)
-        counts = torch.empty_like(routing.counts).scatter_(0, label, routing.counts)
-        rows, src, offs = RT.route_layout(label[routing.expert_ids], counts, 1)
-        plans = EP.make_plans(routing.counts, self.group, experts.align, self.chunks)
-        ex = EP.OverlappedExchange(plans, src.to(torch.int64), k, self.payload,
-                                   self.grad_payload, experts.backend)
-        parts = _expert_chunks(experts, self.chunks)
-        placeholders = []
-        for c, x_recv in enumerate(ex.dispatch(x)):
-            y_recv = self._local_experts(x_recv, plans[c], parts[c])
-            placeholders.append(ex.returned(y_recv, c))
-        return ST.weighted_combine(ex.collect(placeholders), routing.weights, rows, src, offs,
                                    backend=experts.backend)
 
     @staticmethod
@@ -223,21 +197,6 @@ class AllToAllDispatcher:
         return bad
 
 
-def _expert_chunks(experts: Experts, chunks: int) -> list[Experts]:
-    """``experts`` as ``chunks`` consecutive runs of local experts (views; one split of each
-    weight, so autograd gathers the weight gradients once)."""
-    e_chunk = experts.w_gate_up.shape[0] // chunks
-    gate_up = experts.w_gate_up.split(e_chunk)
-    down = experts.w_down.split(e_chunk)
-    out = []
-    for c in range(chunks):
-        wq = experts.weights_q
-        if wq is not None:
-            wq = tuple(t.experts_slice(c * e_chunk, (c + 1) * e_chunk) for t in wq)
-        out.append(experts._replace(w_gate_up=gate_up[c], w_down=down[c], weights_q=wq))
-    return out
-
-
 Dispatcher: TypeAlias = LocalDispatcher | AllToAllDispatcher  # what `MXFP8MoE.dispatcher` holds
 
 
@@ -251,12 +210,7 @@ def setup_layer(layer, group) -> int:
         layer.dispatcher = LocalDispatcher()
     else:
         layer.ep_size, layer.ep_rank = EP.group_info(group, layer.num_experts)
-        chunks = layer.config.ep_chunks
-        if (layer.num_experts // layer.ep_size) % chunks:
-            raise ValueError(f"MXFP8MoE: ep_chunks={chunks} must divide the local expert count "
-                             f"{layer.num_experts // layer.ep_size} (num_experts / ep_size)")
-        layer.dispatcher = AllToAllDispatcher(group, layer.ep_payload, layer.ep_grad_payload,
-                                              chunks)
+        layer.dispatcher = AllToAllDispatcher(group, layer.ep_payload, layer.ep_grad_payload)
         layer.register_load_state_dict_pre_hook(EP.load_full_hook)
     layer.num_local_experts = layer.num_experts // layer.ep_size
     return layer.num_local_experts

@@ -138,23 +138,8 @@ def group_sum(count: Tensor, group) -> int:
     return int(total)
 
 
-def chunk_labels(num_experts: int, size: int, chunks: int, device) -> Tensor:
-    """``(E,)`` int64: each global expert's place in the chunk-major order of an exchange in
-    ``chunks`` chunks (`OverlappedExchange`). Rank ``r``'s local expert ``j`` is in chunk
-    ``c = j // E_c`` (``E_c = E_l / chunks``); the order is chunk, then rank, then expert, so that
-    one chunk's pairs are consecutive rows of the sorted layout and, within it, in the order
-    the peers expect them (destination rank, then expert)."""
-    e_local = num_experts // size
-    e_chunk = e_local // chunks
-    e = torch.arange(num_experts, device=device)
-    rank, j = e // e_local, e % e_local
-    return (j // e_chunk) * (size * e_chunk) + rank * e_chunk + j % e_chunk
-
-
-def make_plans(counts: Tensor, group, align: int, chunks: int = 1) -> list[Plan]:
-    """The `Plan` of each chunk of local experts (`chunk_labels`; one chunk: every local
-    expert): sizes first (one exchange of ``counts``), then the split sizes of every chunk to
-    the host in one copy (the one sync), then where every received pair lands.
+def make_plan(counts: Tensor, group, align: int) -> Plan:
+    """Sizes first, then where every received pair lands (all on the device but the splits).
 
     ``align > 1``: every local expert's group starts on a multiple of ``align`` rows and the
     layout has the single-GPU layer's static extent (``layer.group_align_rows``: 16, 128 for the
@@ -163,38 +148,23 @@ def make_plans(counts: Tensor, group, align: int, chunks: int = 1) -> list[Plan]
     size = dist.get_world_size(group)
     recv_counts = exchange_counts(counts, group)  # (P, E_l)
     e_local = recv_counts.shape[1]
-    e_chunk = e_local // chunks
-    # The split sizes must be host ints (the collective's API): one device->host copy of 2CP ints.
-    send = counts.view(size, chunks, e_chunk).sum(2).t()  # (C, P) rows to each peer
-    recv = recv_counts.view(size, chunks, e_chunk).sum(2).t()  # (C, P) rows from each peer
-    splits = torch.stack([send, recv]).cpu()
-    return [_chunk_plan(recv_counts[:, c * e_chunk:(c + 1) * e_chunk], splits[0, c].tolist(),
-                        splits[1, c].tolist(), align, group) for c in range(chunks)]
-
-
-def make_plan(counts: Tensor, group, align: int) -> Plan:
-    """`make_plans` in one chunk: the plan of an exchange of every local expert at once."""
-    return make_plans(counts, group, align, 1)[0]
-
-
-def _chunk_plan(recv_counts: Tensor, send_splits: list[int], recv_splits: list[int],
-                align: int, group) -> Plan:
-    """The plan of the local experts of ``recv_counts (P, E_c)`` (pairs from each source to
-    each of them) with the host split sizes; all on the device."""
+    # The split sizes must be host ints (the collective's API): one device->host copy of 2P ints.
+    splits = torch.stack([counts.view(size, e_local).sum(1), recv_counts.sum(1)]).cpu()
+    send_splits, recv_splits = splits[0].tolist(), splits[1].tolist()
     r = sum(recv_splits)
-    e_local = recv_counts.shape[1]
-    local = recv_counts.sum(0)  # (E_c,) pairs per local expert
+
+    local = recv_counts.sum(0)  # (E_l,) pairs per local expert
     grp = (local + align - 1) // align * align
     m = padded_extent(r, e_local, align)  # static in r: no further host reads
-    grp_start = torch.cumsum(grp, 0) - grp  # (E_c,)
+    grp_start = torch.cumsum(grp, 0) - grp  # (E_l,)
     # Chunk (s, j): pairs from source s for local expert j; received s-major, landed j-major.
-    before = torch.cumsum(recv_counts, 0) - recv_counts  # (P, E_c) pairs of j from sources < s
+    before = torch.cumsum(recv_counts, 0) - recv_counts  # (P, E_l) pairs of j from sources < s
     dest_start = (grp_start[None, :] + before).reshape(-1)
     sizes = recv_counts.reshape(-1)
     src_start = torch.cumsum(sizes, 0) - sizes
-    dev = recv_counts.device
-    chunk = torch.repeat_interleave(torch.arange(sizes.numel(), device=dev), sizes, output_size=r)
-    land = dest_start[chunk] + torch.arange(r, device=dev) - src_start[chunk]
+    chunk = torch.repeat_interleave(torch.arange(sizes.numel(), device=counts.device), sizes,
+                                    output_size=r)
+    land = dest_start[chunk] + torch.arange(r, device=counts.device) - src_start[chunk]
     ends = torch.cumsum(grp, 0)
     # the last group absorbs the slack up to the static extent (as datapath.route_layout)
     offs = torch.cat([ends[:-1], ends.new_full((1,), m)]).to(torch.int32)
@@ -321,191 +291,6 @@ class OutputsToSources(torch.autograd.Function):
         idx = torch.arange(grad.shape[0], device=grad.device)
         dy = _send_rows(grad, idx, ctx.grad_payload, ctx.backend, ctx.plan, reverse=False)
         return dy, None, None, None
-
-
-# ---------------------------------------------------------------------------------------------
-# The exchange in chunks of local experts, overlapped with their compute
-# ---------------------------------------------------------------------------------------------
-
-
-def _all_to_all_async(out: Tensor, send: Tensor, out_splits, in_splits, group):
-    """``all_to_all_single`` started (NCCL: on its own stream) -> ``(work, send)``; ``wait()`` on
-    the work makes the current stream wait for it (the host does not block on CUDA)."""
-    send = send.contiguous()
-    return dist.all_to_all_single(out, send, out_splits, in_splits, group=group,
-                                  async_op=True), send
-
-
-class OverlappedExchange:
-    """One forward's exchange in chunks of local experts (`chunk_labels`), so that each chunk's
-    all-to-all runs while another chunk's experts compute::
-
-        forward   send 0, send 1, ... (all started at once)
-                  wait 0, experts 0, return 0 | wait 1, experts 1, return 1 | ... | wait returns
-        backward  (the output gradient) to the experts: chunks C-1 .. 0 started at once
-                  wait C-1, experts C-1 backward, back C-1 | wait C-2, ... | wait backs, sum k
-
-    A collective runs once the work queued before it is done, so each is started where its
-    input is ready and before the compute it should overlap (the autograd engine runs the
-    chunk made last first: the output gradients are sent in that order). Every expert's rows
-    are in one chunk and each chunk runs the expert block of `LocalDispatcher` on its experts,
-    so the expert computations, their weight gradients and the sums are the ones of one
-    exchange, bit for bit (tests/test_expert_parallel.py). Same host sync: `make_plans`.
-
-    The autograd graph: ``x -> _Anchor -> _Land (chunk c) -> experts c -> _Return (c) ->
-    _Join -> y (T k, D)``; the buffers and in-flight works live here, shared by the nodes.
-    """
-
-    def __init__(self, plans: list[Plan], order: Tensor, k: int, payload: str,
-                 grad_payload: str, backend: str) -> None:
-        self.plans, self.order, self.k = plans, order, k
-        self.payload, self.grad_payload, self.backend = payload, grad_payload, backend
-        ends = torch.tensor([sum(p.send_splits) for p in plans]).cumsum(0).tolist()
-        # each chunk's rows of the sorted layout
-        self.bounds = list(zip([0] + ends[:-1], ends, strict=True))
-        n = len(plans)
-        self.recv: list = [None] * n  # dispatch: (buffer, work, send)
-        self.ret: list = [None] * n  # return of the outputs
-        self.grad: list = [None] * n  # output gradients to the experts
-        self.back: list = [None] * n  # their input gradients back
-        self.y: Tensor | None = None  # (T k, D) outputs of this rank's pairs, sorted
-        self.dy: Tensor | None = None  # (T k, D) their gradients
-
-    def dispatch(self, x: Tensor) -> list[Tensor]:
-        """``x (T, D)`` -> each chunk's received rows ``(R_c, D)`` BF16, as `PairsToExperts`
-        gives them for one chunk; every send starts before the first chunk is awaited."""
-        anchor = _Anchor.apply(x, self)
-        xd = x.detach()
-        for c, (plan, (lo, hi)) in enumerate(zip(self.plans, self.bounds, strict=True)):
-            idx = self.order[lo:hi] // self.k
-            if self.payload == "mxfp8":
-                rows = pack_mxfp8_rows(xd, idx, self.backend)
-            else:
-                rows = xd.to(COMPUTE_DTYPE)[idx]
-            got = rows.new_empty(sum(plan.recv_splits), rows.shape[1])
-            self.recv[c] = (got, *_all_to_all_async(got, rows, plan.recv_splits,
-                                                    plan.send_splits, plan.group))
-        return [_Land.apply(anchor, self, c) for c in range(len(self.plans))]
-
-    def returned(self, y_recv: Tensor, c: int) -> Tensor:
-        """Chunk ``c``'s expert outputs ``(R_c, D)`` sent back (started now); an empty
-        placeholder in the graph, for `collect`."""
-        return _Return.apply(y_recv, self, c)
-
-    def collect(self, placeholders: list[Tensor]) -> Tensor:
-        """Every chunk's outputs, back: ``(T k, D)`` BF16, the pairs' rows of the sorted
-        layout (as `OutputsToSources` gives them)."""
-        return _Join.apply(self, *placeholders)
-
-    def _unpack(self, rows: Tensor, d: int, payload: str) -> Tensor:
-        return unpack_mxfp8_rows(rows, d, self.backend) if payload == "mxfp8" else rows
-
-
-def _wait(entry) -> Tensor:
-    """The buffer of an in-flight ``(buffer, work, send)`` entry, once its work is done."""
-    buf, work, _ = entry
-    work.wait()
-    return buf
-
-
-class _Anchor(torch.autograd.Function):
-    """``x`` itself; its backward waits for every chunk's input gradients (started by
-    `_Land.backward`) and sums the k copies of each token, as `PairsToExperts` does."""
-
-    @staticmethod
-    def forward(ctx, x, ex):
-        ctx.set_materialize_grads(False)
-        ctx.ex, ctx.t, ctx.dtype = ex, x.shape[0], x.dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, _unused):
-        ex = ctx.ex
-        for entry in ex.back:
-            if entry is not None:
-                _wait(entry)
-        order = ex.order
-        rows = torch.empty_like(order).scatter_(
-            0, order, torch.arange(order.numel(), device=order.device))
-        rows = rows.to(torch.int32).view(ctx.t, ex.k)
-        dx = ST.dispatch_backward(ex.dy, rows, backend=ex.backend)
-        return dx.to(ctx.dtype), None
-
-
-class _Land(torch.autograd.Function):
-    """Chunk ``c``'s received rows (its all-to-all awaited, MXFP8 rows dequantized); backward
-    starts their gradients' way back into the chunk's rows of ``ex.dy``."""
-
-    @staticmethod
-    def forward(ctx, anchor, ex, c):
-        ctx.ex, ctx.c, ctx.d = ex, c, anchor.shape[1]
-        got = _wait(ex.recv[c])
-        ex.recv[c] = None
-        return ex._unpack(got, anchor.shape[1], ex.payload)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ex, c = ctx.ex, ctx.c
-        plan, (lo, hi) = ex.plans[c], ex.bounds[c]
-        if ex.dy is None:
-            ex.dy = grad.new_empty(ex.order.numel(), ctx.d, dtype=COMPUTE_DTYPE)
-        out = ex.dy[lo:hi]
-        ex.back[c] = (out, *_all_to_all_async(out, grad.to(COMPUTE_DTYPE), plan.send_splits,
-                                              plan.recv_splits, plan.group))
-        return None, None, None
-
-
-class _Return(torch.autograd.Function):
-    """Chunk ``c``'s expert outputs on their way back into its rows of ``ex.y`` (started
-    now); returns an empty placeholder. Backward: the chunk's output gradients, awaited
-    (started by `_Join.backward`)."""
-
-    @staticmethod
-    def forward(ctx, y_recv, ex, c):
-        ctx.set_materialize_grads(False)
-        ctx.ex, ctx.c, ctx.d = ex, c, y_recv.shape[1]
-        plan, (lo, hi) = ex.plans[c], ex.bounds[c]
-        if ex.y is None:
-            ex.y = y_recv.new_empty(ex.order.numel(), y_recv.shape[1], dtype=COMPUTE_DTYPE)
-        out = ex.y[lo:hi]
-        ex.ret[c] = (out, *_all_to_all_async(out, y_recv.to(COMPUTE_DTYPE), plan.send_splits,
-                                             plan.recv_splits, plan.group))
-        return y_recv.new_empty(0, y_recv.shape[1])
-
-    @staticmethod
-    def backward(ctx, _unused):
-        ex, c = ctx.ex, ctx.c
-        got = _wait(ex.grad[c])
-        ex.grad[c] = None
-        return ex._unpack(got, ctx.d, ex.grad_payload), None, None
-
-
-class _Join(torch.autograd.Function):
-    """Every chunk's outputs, awaited: ``ex.y``. Backward starts every chunk's output
-    gradients to its experts at once, the chunk the engine runs first (the last) first."""
-
-    @staticmethod
-    def forward(ctx, ex, *placeholders):
-        ctx.ex = ex
-        for c, entry in enumerate(ex.ret):
-            _wait(entry)
-            ex.ret[c] = None
-        return ex.y
-
-    @staticmethod
-    def backward(ctx, grad):
-        ex = ctx.ex
-        for c in reversed(range(len(ex.plans))):
-            plan, (lo, hi) = ex.plans[c], ex.bounds[c]
-            g = grad[lo:hi]
-            if ex.grad_payload == "mxfp8":
-                send = pack_mxfp8_rows(g, torch.arange(hi - lo, device=g.device), ex.backend)
-            else:
-                send = g.to(COMPUTE_DTYPE)
-            got = send.new_empty(sum(plan.recv_splits), send.shape[1])
-            ex.grad[c] = (got, *_all_to_all_async(got, send, plan.recv_splits,
-                                                  plan.send_splits, plan.group))
-        return (None,) * (1 + len(ex.plans))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,10 +191,6 @@ class MXFP8MoE(nn.Module):
             default for precision "mxfp8") or ``"bf16"`` (the default for "bf16").
         ep_grad_payload: ``"bf16"`` (default) or ``"mxfp8"``: the output gradient's dispatch to
             the experts in backward. Expert outputs and input gradients return in BF16.
-        ep_chunks: the all-to-alls in this many chunks of local experts (a divisor of
-            ``E / ep_size``), each chunk's exchange running while another chunk's experts
-            compute (`expert_parallel.OverlappedExchange`); the results are the same bit for
-            bit. 1 (default): one exchange each way, nothing overlapped.
         check_finite: what a token with non-finite router logits (NaN/Inf in ``x`` or in
             ``router.weight``) does. ``"flag"`` (default): nothing stops; the token is routed
             to experts ``0 .. k-1`` with NaN weights (its own output and gradients are NaN, the
@@ -263,7 +259,6 @@ class MXFP8MoE(nn.Module):
         ep_group=None,
         ep_payload: str | None = None,
         ep_grad_payload: str = "bf16",
-        ep_chunks: int = 1,
         check_finite: str = "flag",
         cache_weights: bool = False,
         config: MXFP8MoEConfig | None = None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -73,20 +72,6 @@ class MXFP8Tensor:
     def num_blocks(self) -> int:
         """Blocks per row along the last dim, ``ceil(K/32)`` (per whole row for K-groups: dense)."""
         return L.ceil_div(self.data.shape[-1], L.BLOCK_SIZE)
-
-    def experts_slice(self, lo: int, hi: int) -> MXFP8Tensor:
-        """Experts ``[lo, hi)`` of a stack of expert matrices (``group_axis="experts"``), as
-        views: each expert's scales are one contiguous run of the buffer, in either layout."""
-        if self.group_axis != "experts":
-            raise ValueError("experts_slice needs a stack of expert matrices (group_axis "
-                             f"'experts'), got group_axis {self.group_axis!r}")
-        e = self.data.shape[0]
-        scale = self.scale.view(e, -1)[lo:hi]
-        if self.scale_layout == "packed":
-            scale = scale.reshape(-1)
-        else:
-            scale = scale.view(hi - lo, *self.scale.shape[1:])
-        return dataclasses.replace(self, data=self.data[lo:hi], scale=scale)
 
     def dense_scales(self) -> torch.Tensor:
         """The scales as dense uint8: ``(R, C)`` / ``(E, R, C)`` / ``(R, sum_g ceil(m_g/32))``."""

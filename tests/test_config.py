@@ -91,7 +91,6 @@ BAD = [
      "MXFP8MoE: ep_payload must be one of ('mxfp8', 'bf16'), got 'fp8'"),
     ("ep_grad_payload", None, ValueError,
      "MXFP8MoE: ep_grad_payload must be one of ('mxfp8', 'bf16'), got None"),
-    ("ep_chunks", 0, ValueError, "MXFP8MoE: ep_chunks must be an int >= 1, got 0"),
     ("check_finite", "warn", ValueError,
      "MXFP8MoE: check_finite must be one of ('flag', 'raise'), got 'warn'"),
     ("cache_weights", 1, TypeError, "MXFP8MoE: cache_weights must be a bool, got 1"),
@@ -130,7 +129,7 @@ def test_the_bf16_twin_takes_any_dims_and_the_payload_follows_the_precision():
 def test_round_trip_through_json():
     cfg = _cfg(precision="bf16", score_func="sigmoid", renormalize=False, aux_loss_coef=0.5,
                wgrad="bf16", scale_blocks="1x128", num_shared_experts=2, ep_payload="mxfp8",
-               ep_grad_payload="mxfp8", ep_chunks=2, check_finite="raise", cache_weights=True)
+               ep_grad_payload="mxfp8", check_finite="raise", cache_weights=True)
     d = cfg.to_dict()
     assert set(d) == {f.name for f in dataclasses.fields(MXFP8MoEConfig)}
     assert MXFP8MoEConfig.from_dict(json.loads(json.dumps(d))) == cfg

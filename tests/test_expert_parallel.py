@@ -19,7 +19,6 @@ ranks hold different token counts (one rank none at world size 4).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -127,23 +126,6 @@ def _check_case(rank: int, ws: int, seed: int, case, device: str = "cpu") -> Non
         dbs[name] = sqnr_db(g_ref[name], g[name])
         assert dbs[name] >= REPLICATED_MIN_DB, (name, dbs, label)
     print(label, "SQNR dB:", {k: round(v, 1) for k, v in dbs.items()})
-    _check_chunks(ep, x[sl], dy[sl], (y, dx, g), label)
-
-
-def _check_chunks(ep, x, dy, want, label: str) -> None:
-    """The exchange in chunks of local experts (one expert each, and two where that differs):
-    the unchunked exchange's output and every gradient, bit for bit."""
-    e_local = ep.num_local_experts
-    for chunks in sorted({e_local, 2} & set(range(2, e_local + 1))):
-        cfg = dataclasses.replace(ep.config, ep_chunks=chunks)
-        layer = MXFP8MoE(config=cfg, ep_group=ep.ep_group, device=x.device)
-        layer.load_state_dict(ep.state_dict())
-        assert layer.dispatcher.chunks == chunks
-        y, dx, g = fwd_bwd(layer, x, dy)
-        EP.all_reduce_replicated_grads(layer)
-        assert torch.equal(y, want[0]) and torch.equal(dx, want[1]), (chunks, label)
-        for name, grad in g.items():
-            assert torch.equal(grad, want[2][name]), (name, chunks, label)
 
 
 def _check_state_dicts(rank: int, ws: int, seed: int, device: str = "cpu") -> None:
@@ -202,14 +184,11 @@ def _check_nonfinite_token(rank: int, ws: int, seed: int, device: str = "cpu") -
 
 def _check_weight_cache(seed: int, device: str) -> None:
     """``cache_weights=True`` with expert parallelism: this rank's experts are quantized once
-    for two micro-batches, with the outputs and gradients of the uncached layer, bit for bit;
-    also with the exchange in two chunks (each chunk's experts sliced from the cache)."""
+    for two micro-batches, with the outputs and gradients of the uncached layer, bit for bit."""
     torch.manual_seed(seed)
     layers = [MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, backend=LAYER_BACKEND[device], device=device,
-                       ep_group=dist.group.WORLD, cache_weights=cache, ep_chunks=chunks)
-              for cache, chunks in ((False, 1), (True, 1), (True, 2))]
-    for m in layers[1:]:
-        m.load_state_dict(layers[0].state_dict())
+                       ep_group=dist.group.WORLD, cache_weights=cache) for cache in (False, True)]
+    layers[1].load_state_dict(layers[0].state_dict())
     for _ in range(2):
         x = torch.randn(6, DIM).to(device, BF16)
         res = []
@@ -218,12 +197,10 @@ def _check_weight_cache(seed: int, device: str) -> None:
             y = m(xi)
             y.float().square().sum().backward()
             res.append((y, xi.grad))
-        for got in res[1:]:
-            assert torch.equal(res[0][0], got[0]) and torch.equal(res[0][1], got[1])
-    for m in layers[1:]:
-        for p, q in zip(layers[0].parameters(), m.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)
-        assert m._weight_cache.quantizations == 2
+        assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    for p, q in zip(layers[0].parameters(), layers[1].parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert layers[1]._weight_cache.quantizations == 2
 
 
 def _run_all(rank: int, ws: int, seed: int, device: str) -> None:
@@ -235,8 +212,6 @@ def _run_all(rank: int, ws: int, seed: int, device: str) -> None:
     if ws > 1:
         with pytest.raises(ValueError, match="multiple of the expert-parallel group size"):
             MXFP8MoE(DIM, HIDDEN, ws + 1, 1, ep_group=dist.group.WORLD)
-        with pytest.raises(ValueError, match="ep_chunks=3 must divide the local expert count"):
-            MXFP8MoE(DIM, HIDDEN, EXPERTS, 1, ep_group=dist.group.WORLD, ep_chunks=3)
 
 
 def _worker(rank: int, ws: int, port: int, seed: int, pg_backend: str = "gloo") -> None:
