@@ -226,7 +226,7 @@ def quantize_weights_dual(
 TILED_WEIGHT_ROWS = (32, 128)  # weight tiles whose two axes share bytes and scale values
 
 
-def weights_along_n(along_k: MXFP8Tensor) -> MXFP8Tensor:
+def weights_along_n(along_k: MXFP8Tensor, backend: str | None = "auto") -> MXFP8Tensor:
     """The N-axis (dgrad) operand of tiled expert weights from their K-axis (fprop) one, exact.
 
     With one scale per 32x32 or 128x128 tile (``block_rows`` 32 or 128) both orientations hold
@@ -234,6 +234,9 @@ def weights_along_n(along_k: MXFP8Tensor) -> MXFP8Tensor:
     either axis (`quantize_weights`). So ``quantize_weights(w, axis="N")`` is ``along_k``'s data
     transposed per expert, with each tile's scale laid out for the transposed matrix: one byte
     copy, no quantizer, no BF16 weights (MXFP8 all-gathered weights, `moe_mxfp8.fsdp_mxfp8`).
+    On CUDA (``backend`` not ``"reference"``, Triton installed) the bytes move through a tiled
+    transpose kernel (`kernels.weights_triton`); where N and K are multiples of 128, packed scales
+    are relaid as whole 512-byte chunks (`_tiled_scales_along_n`). The same bytes either way.
     """
     if along_k.group_axis != "experts" or along_k.block_rows not in TILED_WEIGHT_ROWS:
         raise ValueError(f"weights_along_n: needs expert weights with 32x32 or 128x128 scale "
@@ -241,7 +244,14 @@ def weights_along_n(along_k: MXFP8Tensor) -> MXFP8Tensor:
                          f"{along_k.block_rows}")
     e, n, k = along_k.data.shape
     C.check_multiple_of("along_k", n, L.BLOCK_SIZE, "the N axis")
-    data = along_k.data.view(torch.uint8).transpose(-2, -1).contiguous().view(along_k.data.dtype)
+    if along_k.data.is_cuda and backend != "reference" and _weights_kernels() is not None:
+        data = _weights_kernels().transpose_experts(along_k.data.view(torch.uint8).contiguous())
+    else:
+        data = along_k.data.view(torch.uint8).transpose(-2, -1).contiguous()
+    data = data.view(along_k.data.dtype)
+    if along_k.scale_layout == "packed" and n % L.TILE_ROWS == 0 and k % L.TILE_ROWS == 0:
+        return MXFP8Tensor(data, _tiled_scales_along_n(along_k.scale, e, n, k), "packed", None,
+                           "experts", along_k.block_rows)
     dense = along_k.dense_scales()  # (E, N, K/32): a tile's value on each of its rows and blocks
     # scale of N-block j on row k: the tile's, read on N row 32 j and K block k // 32
     per_n_block = dense[:, :: L.BLOCK_SIZE, :]  # (E, N/32, K/32)
@@ -250,3 +260,29 @@ def weights_along_n(along_k: MXFP8Tensor) -> MXFP8Tensor:
     if along_k.scale_layout == "dense":
         scale = dense_n.contiguous()
     return MXFP8Tensor(data, scale, along_k.scale_layout, None, "experts", along_k.block_rows)
+
+
+def _weights_kernels():
+    """`kernels.weights_triton`, or None without Triton (then PyTorch moves the bytes)."""
+    try:
+        from .kernels import weights_triton
+    except ImportError:
+        return None
+    return weights_triton
+
+
+def _tiled_scales_along_n(scale: torch.Tensor, e: int, n: int, k: int) -> torch.Tensor:
+    """`weights_along_n`'s packed scales when N and K are multiples of 128: views and one
+    permuted copy, no index arithmetic.
+
+    A packed chunk holds 128 rows x 4 blocks as ``[row % 32][row group of 32][block % 4]``; with
+    one scale per 32x32 (or 128x128) tile its value depends on the row group and the block only,
+    so a chunk is a 4x4 matrix of tile scales repeated over the 32 rows. The transposed matrix's
+    chunk (k tile, n tile) holds the transposed 4x4 of chunk (n tile, k tile): its row groups are
+    the blocks of 32 columns, and its blocks the row groups.
+    """
+    nt, kt = n // L.TILE_ROWS, k // L.TILE_ROWS
+    g = L.TILE_ROWS // L.BLOCK_SIZE  # row groups of a chunk (= its blocks, L.TILE_BLOCKS)
+    groups = scale.view(e, nt, kt, L.BLOCK_SIZE, g, g)[:, :, :, 0]  # (E, NT, KT, group, block)
+    swapped = groups.permute(0, 2, 1, 4, 3)  # (E, KT, NT, group', block')
+    return swapped.unsqueeze(3).expand(e, kt, nt, L.BLOCK_SIZE, g, g).reshape(-1)

@@ -6,6 +6,12 @@ weights), and the two tensor classes' behaviour outside FSDP2. Under FSDP2: test
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from moe_mxfp8.kernels.mx_format import WEIGHT_BLOCK_ROWS
@@ -32,11 +38,12 @@ def _weights(gen, shape, special: bool = True) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("block_rows", [32, 128])
-@pytest.mark.parametrize("shape", [(3, 64, 96), (2, 160, 320), (1, 256, 128)])
+@pytest.mark.parametrize("shape", [(3, 64, 96), (2, 160, 320), (1, 256, 128), (2, 384, 256)])
 @pytest.mark.parametrize("scale_layout", ["packed", "dense"])
 def test_weights_along_n_is_the_n_axis_quantization(gen, block_rows, shape, scale_layout):
-    """32x32 and 128x128 tiles (partial ones at the edges too): the N-axis operand from the
-    K-axis bytes equals ``quantize_weights(axis="N")``, data and scales, bit for bit."""
+    """32x32 and 128x128 tiles (partial ones at the edges too; N and K multiples of 128: the
+    packed scales relaid chunk by chunk): the N-axis operand from the K-axis bytes equals
+    ``quantize_weights(axis="N")``, data and scales, bit for bit."""
     w = _weights(gen, shape)
     kw = {"block_rows": block_rows, "scale_layout": scale_layout, "backend": "reference"}
     want = quantize_weights(w, axis="N", **kw)
@@ -128,3 +135,45 @@ def test_gpu_weights_along_n_matches_the_kernel(gen, block_rows):
     got = weights_along_n(quantize_weights(w, axis="K", **kw))
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(got.scale, want.scale)
+
+
+def check_transpose_kernel(gen, device: str) -> None:
+    """`weights_triton.transpose_experts` is the per-expert byte transpose: sizes that are not
+    multiples of the tile, one expert, and the mixtral-like 128-multiples."""
+    from moe_mxfp8.kernels import weights_triton as K
+
+    for shape in [(3, 100, 200), (1, 64, 64), (2, 256, 384), (2, 33, 7)]:
+        data = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).to(device)
+        got = K.transpose_experts(data)
+        assert torch.equal(got.cpu(), data.cpu().transpose(-2, -1)), shape
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                    reason="Triton interpreter run (CPU machine with Triton installed)")
+def test_transpose_kernel_interpreter(gen):
+    """`check_transpose_kernel` in Triton's interpreter (a subprocess: the interpreter must be
+    chosen before Triton is first imported)."""
+    seed = int(torch.randint(2**62, (1,), generator=gen))
+    code = ("import torch; from tests.test_fsdp_mxfp8 import check_transpose_kernel as c;"
+            f"c(torch.Generator().manual_seed({seed}), 'cpu')")
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, (seed, res.stderr[-3000:])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_transpose_kernel_compiles_for_sm90():
+    """The transpose kernel builds for sm_90 without a GPU (Triton's own ptxas)."""
+    from moe_mxfp8.kernels import weights_triton as K
+
+    from tests.triton_sm90 import compile_for_sm90
+
+    k = compile_for_sm90(K._transpose_kernel, {"T": K.TILE}, {}, 4, aligned_except=())
+    assert ".target sm_90" in k.asm["ptx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_gpu_transpose_kernel(gen):
+    check_transpose_kernel(gen, "cuda")
