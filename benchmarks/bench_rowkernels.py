@@ -1,8 +1,8 @@
 """Time the 1x128 row-block data-path kernels alone at other tilings (`RowTiling`: rows per
-step, warps, registers per thread, chunks staged or recomputed, programs per SM) than
-`kernels.datapath_triton.ROW_TILING`'s (device; prints ms, GB/s over the bytes each must move
-and that rate as a share of the clone's), next to two ceilings measured in the same process: a
-copy of the kernel's input (``torch.clone``) and the BF16 twin's kernel.
+step, warps, registers per thread) than `kernels.datapath_triton.ROW_TILING`'s (device; prints
+ms, GB/s over the bytes each must move and that rate as a share of the clone's), next to two
+ceilings measured in the same process: a copy of the kernel's input (``torch.clone``) and the
+BF16 twin's kernel.
 
     python -m benchmarks.bench_rowkernels [--shapes mixtral,dsv3]
         [--kernels swiglu,dispatch,combine] [--variants all|NAME,...]
@@ -26,31 +26,17 @@ SHAPES = {"mixtral": (16384, 2, 8, 4096, 14336), "dsv3": (65536, 2, 8, 7168, 204
           "qwen3": (16384, 8, 128, 2048, 768)}  # T k E D H
 
 
-# Named tilings of a 128-row block, as `RowTiling` arguments (rows, warps, maxnreg, stage,
-# ctas). "tile": one 128 x 128 tile (the shipped SwiGLU and dispatch); "recompute": 32-row
-# chunks recomputed from L2 for the columnwise copy (the shipped combine backward); "stage":
-# 32- or 16-row chunks whose BF16 values are staged in a per-program L2 scratch slot and read
-# back for the columnwise copy, on a persistent grid of `ctas` programs an SM -- set it to the
-# CTAs the registers allow: 65536 / (32 * warps * registers), e.g. 4 warps at 216 / 168 / 128 /
-# 96 / 80 registers: 2 / 3 / 4 / 5 / 6. Unconstrained, ptxas gives the 32-row staged SwiGLU
-# forward 216 and the backward 255 registers; the caps below trade that for spills
-# (docs/design/datapath.md).
+# Named tilings of a 128-row block, as `RowTiling` arguments (rows, warps, maxnreg). "tile":
+# one 128 x 128 tile (the shipped SwiGLU and dispatch); "recompute": 32-row chunks recomputed
+# from L2 for the columnwise copy (the shipped combine backward); "rows64": 64-row chunks.
 VARIANTS = {
     "tile": (128, 8), "tile-16w": (128, 16), "tile-r168": (128, 8, 168),
     "recompute": (32, 4), "recompute-r128": (32, 4, 128), "rows64": (64, 8),
     "rows64w4": (64, 4),
-    "stage": (32, 4, None, "rows", 2), "stage-r168": (32, 4, 168, "rows", 3),
-    "stage-r128": (32, 4, 128, "rows", 4), "stage-r96": (32, 4, 96, "rows", 5),
-    "stage-cols-r128": (32, 4, 128, "cols", 4),
-    "stage16": (16, 4, None, "rows", 2), "stage16-r128": (16, 4, 128, "rows", 4),
-    "stage16-r96": (16, 4, 96, "rows", 5),
-    "stage16-r80": (16, 4, 80, "rows", 6),
-    "stage-8w": (32, 8, None, "rows", 1), "stage-8w-r128": (32, 8, 128, "rows", 2),
-    "stage64-8w-r128": (64, 8, 128, "rows", 2),
 }
-KIND_VARIANTS = {  # what each kind's sweep takes ("all"); the combine backward stages nothing
-    "swiglu": [n for n in VARIANTS if n not in ("rows64", "rows64w4")],
-    "dispatch": ["tile", "recompute", "rows64", "stage-r128", "stage16-r128"],
+KIND_VARIANTS = {  # what each kind's sweep takes ("all")
+    "swiglu": ["tile", "tile-16w", "tile-r168", "recompute", "recompute-r128"],
+    "dispatch": ["tile", "recompute", "rows64"],
     "combine": ["recompute", "rows64w4", "tile"],
 }
 
@@ -157,8 +143,7 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
             try:
                 for vname, t in _settings(K, kind, names).items():
                     table[128] = t
-                    what = (f"{vname}: rows {t.rows} warps {t.warps} maxnreg {t.maxnreg or '-'}"
-                            + (f" stage {t.stage} ctas {t.ctas}" if t.stage else ""))
+                    what = f"{vname}: rows {t.rows} warps {t.warps} maxnreg {t.maxnreg or '-'}"
                     _line(name, kern, what, _ms(fn), nbytes)
             finally:
                 table[128] = shipped

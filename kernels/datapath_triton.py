@@ -25,19 +25,14 @@ every feature, stored transposed). It computes the block RB rows at a time (`ROW
 each chunk's values go out as the BF16 and rowwise copies and update the running column maxima.
 With one chunk (RB == ABLK) its registers give the columnwise copy too (one read of the
 inputs); with smaller chunks of a 128-row block the columnwise copy needs the whole block's
-maxima first, so a second walk gets each chunk again instead of holding 128 rows in registers:
-recomputed from its inputs (re-read from L2), or (``RowTiling.stage``) read back from a scratch
-slot of the program's own, where the first walk staged the chunk's values as BF16 (exact: every
-value the kernels quantize is a BF16 value). Staged kernels run on a persistent grid (a few
-programs an SM, each walking every nprog-th (block, column tile) and reusing its slot), so the
-scratch is a few MiB that stay in L2 rather than a second copy of the output in DRAM.
+maxima first, so a second walk recomputes each chunk from its inputs (re-read from L2) and
+stores it, instead of holding 128 rows in registers.
 Every row of ``[0, M)`` belongs to exactly one block, so every data byte is written (pad rows as
 zeros); scale buffers start zeroed (the layout's padding bytes), their real bytes are written here.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -62,19 +57,13 @@ TOK_TILE = 16  # tokens per program in the per-token kernels
 
 
 class RowTiling(NamedTuple):
-    """How a row-block kernel walks an ABLK-row block: ``rows`` (RB) at a time with ``warps``;
-    ``maxnreg``: a cap on registers per thread (Triton's), if any. With RB < ABLK the
-    columnwise copy needs each chunk's values a second time (module doc): ``stage`` None
-    recomputes them from their inputs; ``"rows"`` / ``"cols"`` stage them as BF16 in a
-    per-program scratch slot (row-major / feature-major), read back from L2, and the kernel
-    becomes persistent: ``ctas`` programs per SM, each walking tiles ``pid, pid + nprog, ...``
-    and reusing its slot (a few MiB that stay in L2)."""
+    """How a row-block kernel walks an ABLK-row block: ``rows`` (RB) at a time with ``warps``
+    (RB < ABLK: the chunks are recomputed from their inputs for the columnwise copy, see the
+    module doc); ``maxnreg``: a cap on registers per thread (Triton's), if any."""
 
     rows: int
     warps: int
     maxnreg: int | None = None
-    stage: str | None = None
-    ctas: int = 4
 
 
 # Per kernel and activation block length (H100, docs/design/datapath.md;
@@ -90,9 +79,6 @@ ROW_TILING = {
     "swiglu_bwd": {BLOCK_SIZE: RowTiling(BLOCK_SIZE, 4), BLOCK_128: RowTiling(BLOCK_128, 8)},
     "combine_bwd": {BLOCK_SIZE: RowTiling(BLOCK_SIZE, 4), BLOCK_128: RowTiling(BLOCK_SIZE, 4)},
 }
-# `RowTiling.stage` -> the kernels' STAGE constexpr; the kernels that can stage their chunks.
-STAGE_MODES = {None: 0, "rows": 1, "cols": 2}
-STAGED_KERNELS = ("dispatch", "swiglu_fwd", "swiglu_bwd")
 # Group alignment the row kernels can be told of (the MXFP8 layer's: K_GROUP_ALIGN rows, the
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
 ROW_ALIGN = K_GROUP_ALIGN
@@ -305,71 +291,18 @@ def _tile_copies(v, rows, rmask, prow0, ct, cols, cmask, off, n, ld, qr_ptr, sr_
 
 
 @triton.jit
-def _stage_offsets(c, RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr,
-                   STAGE: tl.constexpr):
-    """Offsets of chunk ``c``'s (RB, CB) values in a scratch slot of ABLK x CB values:
-    row-major (STAGE 1) or feature-major (STAGE 2, the columnwise copy's order)."""
-    r = c * RB + tl.arange(0, RB)
-    f = tl.arange(0, CB)
-    if STAGE == 1:
-        return r[:, None] * CB + f[None, :]
-    else:
-        return f[None, :] * ABLK + r[:, None]
-
-
-@triton.jit
-def _stage_put(v, slot, c, RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr,
-               STAGE: tl.constexpr):
-    """Chunk ``c``'s fp32 tile ``v`` into the scratch ``slot`` as the high 16 bits of each
-    value: exact, NaN and Inf included, because every value the kernels stage is a BF16 value
-    (its low 16 bits are 0)."""
-    bits = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
-    tl.store(slot + _stage_offsets(c, RB, CB, ABLK, STAGE), bits)
-
-
-@triton.jit
-def _stage_get(slot, c, RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr,
-               STAGE: tl.constexpr):
-    """Chunk ``c``'s fp32 tile back from the scratch ``slot`` (`_stage_put`)."""
-    bits = tl.load(slot + _stage_offsets(c, RB, CB, ABLK, STAGE))
-    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _walk_block(VALUES: tl.constexpr, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
-                out_ptr, stage_ptr, F, M, TOPK, RP, NBLK, QROW: tl.constexpr,
-                QCOL: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr,
-                CB: tl.constexpr, ABLK: tl.constexpr, RALIGN: tl.constexpr,
-                STAGE: tl.constexpr):
+                out_ptr, F, M, TOPK, RP, QROW: tl.constexpr, QCOL: tl.constexpr,
+                BF16: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                ABLK: tl.constexpr, RALIGN: tl.constexpr):
     """A row-block program whose output tile is ``VALUES(in_ptr, src_ptr, rows, rmask, cols,
-    cmask, F, TOPK, INTERP)`` (F features wide): its grid cell's tile, or (STAGE) every
-    ``num_programs``-th tile with one scratch slot of ABLK x CB values (`_walk_tile`)."""
-    ncol = tl.cdiv(F, CB)
-    if STAGE:
-        slot = stage_ptr + tl.program_id(0).to(tl.int64) * (ABLK * CB)
-        t = tl.program_id(0)
-        while t < NBLK * ncol:  # (`range` with a runtime start fails in the interpreter)
-            _walk_tile(VALUES, t // ncol, t % ncol, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr,
-                       qc_ptr, sc_ptr, out_ptr, slot, F, M, TOPK, RP, QROW, QCOL, BF16, INTERP,
-                       RB, CB, ABLK, RALIGN, STAGE)
-            t += tl.num_programs(0)
-    else:
-        _walk_tile(VALUES, tl.program_id(0), tl.program_id(1), in_ptr, src_ptr, tbl_ptr, qr_ptr,
-                   sr_ptr, qc_ptr, sc_ptr, out_ptr, stage_ptr, F, M, TOPK, RP, QROW, QCOL, BF16,
-                   INTERP, RB, CB, ABLK, RALIGN, STAGE)
-
-
-@triton.jit
-def _walk_tile(VALUES: tl.constexpr, b, ct, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr,
-               sc_ptr, out_ptr, slot, F, M, TOPK, RP, QROW: tl.constexpr, QCOL: tl.constexpr,
-               BF16: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-               ABLK: tl.constexpr, RALIGN: tl.constexpr, STAGE: tl.constexpr):
-    """Block ``b`` x column tile ``ct``: one tile (`_tile_copies`), or the chunk walk of the
-    module doc -- BF16 and rowwise copies per chunk, then the columnwise copy from the block's
-    column maxima, each chunk recomputed or (STAGE) read back from the scratch ``slot``."""
+    cmask, F, TOPK, INTERP)`` (F features wide): one tile (`_tile_copies`), or the chunk walk of
+    the module doc -- BF16 and rowwise copies per chunk, then the columnwise copy from the
+    block's column maxima."""
+    b, ct = tl.program_id(0), tl.program_id(1)
     rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, b, RALIGN)
     cols, cmask = _cols(F, ct, CB)
-    if RB == ABLK and not STAGE:  # one tile: its registers give every copy (one input read)
+    if RB == ABLK:  # one tile: its registers give every copy (one read of the inputs)
         rows, rmask = _chunk(rs, re, 0, RB)
         v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
         _tile_copies(v, rows, rmask, prow0, ct, cols, cmask, 0, F, F, qr_ptr, sr_ptr, out_ptr,
@@ -384,22 +317,13 @@ def _walk_tile(VALUES: tl.constexpr, b, ct, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr
                     QROW, BF16, INTERP, RB, CB, ABLK)
         if QCOL:
             camax = tl.maximum(camax, _col_amax(v))
-            if STAGE:
-                _stage_put(v, slot, c, RB, CB, ABLK, STAGE)
     if QCOL:
         byte, inv = _scale_from_amax(camax)
-        if STAGE:
-            tl.debug_barrier()  # every thread's chunks staged before any is read back
-        for c in range(ABLK // RB):
+        for c in range(ABLK // RB):  # recompute (inputs from L2): no 128 rows in registers
             rows, rmask = _chunk(rs, re, c, RB)
-            if STAGE:
-                v = _stage_get(slot, c, RB, CB, ABLK, STAGE)
-            else:  # recompute (inputs from L2): no 128 rows in registers
-                v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
+            v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
             _store_cols(v, inv, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
         _store_col_scales(byte, cols, cmask, sc_ptr, tiles * RP * 4, lblk, nblk, re - rs, ABLK)
-        if STAGE:
-            tl.debug_barrier()  # the slot read back before the next tile overwrites it
 
 
 @triton.jit
@@ -428,13 +352,12 @@ def _dispatch_rows(x_ptr, src_ptr, rows, rmask, cols, cmask, D, TOPK, INTERP: tl
 
 @triton.jit
 def _dispatch_kernel(x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
-                     stage_ptr, D, M, TOPK, RP, NBLK,
+                     D, M, TOPK, RP,
                      QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                      INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                     ABLK: tl.constexpr, RALIGN: tl.constexpr, STAGE: tl.constexpr):
+                     ABLK: tl.constexpr, RALIGN: tl.constexpr):
     _walk_block(_dispatch_rows, x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
-                stage_ptr, D, M, TOPK, RP, NBLK, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN,
-                STAGE)
+                D, M, TOPK, RP, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN)
 
 
 @triton.jit
@@ -498,13 +421,12 @@ def _swiglu_rows(h_ptr, src_ptr, rows, rmask, cols, cmask, H, TOPK, INTERP: tl.c
 
 @triton.jit
 def _swiglu_fwd_kernel(h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
-                       stage_ptr, H, M, RP, NBLK,
+                       H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                        INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                       ABLK: tl.constexpr, RALIGN: tl.constexpr, STAGE: tl.constexpr):
+                       ABLK: tl.constexpr, RALIGN: tl.constexpr):
     _walk_block(_swiglu_rows, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
-                stage_ptr, H, M, 1, RP, NBLK, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN,
-                STAGE)
+                H, M, 1, RP, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN)
 
 
 @triton.jit
@@ -529,42 +451,16 @@ def _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, fmask, H, INTER
 
 @triton.jit
 def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
-                       stage_ptr, H, M, RP, NBLK,
+                       H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                        INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
                        ABLK: tl.constexpr, JOINT: tl.constexpr,
-                       RALIGN: tl.constexpr, STAGE: tl.constexpr):
+                       RALIGN: tl.constexpr):
     """``dh = [dgate | dup]`` rows 2H wide. ``JOINT == False`` (``H % ABLK == 0``): a program
     owns CB features and writes them in both halves, like the forward's output. ``JOINT``: a
     block along the 2H features may straddle the halves (1x128 blocks, H % 128 != 0), so a
-    program owns CB of the 2H output columns and reads, per column, its feature's inputs.
-    STAGE: a persistent grid as `_walk_block`'s, a slot of ABLK x CB values per output half."""
-    if JOINT:
-        ncol = tl.cdiv(2 * H, CB)
-    else:
-        ncol = tl.cdiv(H, CB)
-    if STAGE:
-        slot = stage_ptr + tl.program_id(0).to(tl.int64) * (ABLK * CB * (2 - JOINT))
-        t = tl.program_id(0)
-        while t < NBLK * ncol:
-            _swiglu_bwd_tile(t // ncol, t % ncol, da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr,
-                             qc_ptr, sc_ptr, out_ptr, slot, H, M, RP, QROW, QCOL, BF16, INTERP,
-                             RB, CB, ABLK, JOINT, RALIGN, STAGE)
-            t += tl.num_programs(0)
-    else:
-        _swiglu_bwd_tile(tl.program_id(0), tl.program_id(1), da_ptr, h_ptr, src_ptr, tbl_ptr,
-                         qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr, stage_ptr, H, M, RP, QROW,
-                         QCOL, BF16, INTERP, RB, CB, ABLK, JOINT, RALIGN, STAGE)
-
-
-@triton.jit
-def _swiglu_bwd_tile(b, ct, da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
-                     out_ptr, slot, H, M, RP, QROW: tl.constexpr, QCOL: tl.constexpr,
-                     BF16: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr,
-                     CB: tl.constexpr, ABLK: tl.constexpr, JOINT: tl.constexpr,
-                     RALIGN: tl.constexpr, STAGE: tl.constexpr):
-    """Block ``b`` x column tile ``ct`` of `_swiglu_bwd_kernel` (the walks of `_walk_tile`;
-    STAGE: dgate's chunks at ``slot``, dup's ABLK x CB values after them)."""
+    program owns CB of the 2H output columns and reads, per column, its feature's inputs."""
+    b, ct = tl.program_id(0), tl.program_id(1)
     rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, b, RALIGN)
     if JOINT:
         cols, cmask = _cols(2 * H, ct, CB)
@@ -573,7 +469,7 @@ def _swiglu_bwd_tile(b, ct, da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_
         cols, cmask = _cols(H, ct, CB)
         feats = cols
     base = tiles * RP * 4
-    if RB == ABLK and not STAGE:  # one tile: each half's copies out before the next is made
+    if RB == ABLK:  # one tile: each half's copies out before the next is made
         rows, rmask = _chunk(rs, re, 0, RB)
         dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H, INTERP)
         if JOINT:
@@ -604,36 +500,23 @@ def _swiglu_bwd_tile(b, ct, da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_
                         out_ptr, QROW, BF16, INTERP, RB, CB, ABLK)
         if QCOL:
             amax_g = tl.maximum(amax_g, _col_amax(dg))
-            if STAGE:
-                _stage_put(dg, slot, c, RB, CB, ABLK, STAGE)
             if not JOINT:
                 amax_u = tl.maximum(amax_u, _col_amax(dup))
-                if STAGE:
-                    _stage_put(dup, slot + ABLK * CB, c, RB, CB, ABLK, STAGE)
     if QCOL:
         byte_g, inv_g = _scale_from_amax(amax_g)
         byte_u, inv_u = _scale_from_amax(amax_u)
-        if STAGE:
-            tl.debug_barrier()  # every thread's chunks staged before any is read back
-        for c in range(ABLK // RB):
+        for c in range(ABLK // RB):  # recompute (inputs from L2): no 128 rows in registers
             rows, rmask = _chunk(rs, re, c, RB)
-            if STAGE:
-                dg = _stage_get(slot, c, RB, CB, ABLK, STAGE)
-                if not JOINT:
-                    dup = _stage_get(slot + ABLK * CB, c, RB, CB, ABLK, STAGE)
-            else:  # recompute (inputs from L2): no 128 rows in registers
-                dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H,
-                                           INTERP)
-                if JOINT:
-                    dg = tl.where((cols < H)[None, :], dg, dup)
+            dg, dup = _swiglu_bwd_rows(da_ptr, h_ptr, src_ptr, rows, rmask, feats, cmask, H,
+                                       INTERP)
+            if JOINT:
+                dg = tl.where((cols < H)[None, :], dg, dup)
             _store_cols(dg, inv_g, rows, rmask, cols, cmask, qc_ptr, M, INTERP)
             if not JOINT:
                 _store_cols(dup, inv_u, rows, rmask, cols + H, cmask, qc_ptr, M, INTERP)
         _store_col_scales(byte_g, cols, cmask, sc_ptr, base, lblk, nblk, re - rs, ABLK)
         if not JOINT:
             _store_col_scales(byte_u, cols + H, cmask, sc_ptr, base, lblk, nblk, re - rs, ABLK)
-        if STAGE:
-            tl.debug_barrier()  # the slot read back before the next tile overwrites it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -733,33 +616,11 @@ def _row_meta(ablk: int, aligned: bool, kernel: str) -> dict:
     if ablk not in ACT_BLOCKS:
         raise ValueError(f"activation block must be one of {ACT_BLOCKS}, got {ablk}")
     t = ROW_TILING[kernel][ablk]
-    if t.stage not in STAGE_MODES or (t.stage and kernel not in STAGED_KERNELS):
-        raise ValueError(f"{kernel}: RowTiling.stage must be one of {list(STAGE_MODES)} "
-                         f"(None only outside {STAGED_KERNELS}), got {t.stage!r}")
     meta = {"INTERP": INTERPRET, "RB": t.rows, "CB": COL_TILE, "ABLK": ablk,
             "RALIGN": ROW_ALIGN if aligned else 1, "num_warps": t.warps}
-    if kernel in STAGED_KERNELS:
-        meta["STAGE"] = STAGE_MODES[t.stage]
     if t.maxnreg:
         meta["maxnreg"] = t.maxnreg
     return meta
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return 1 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _row_grid(kernel: str, ablk: int, tbl: torch.Tensor, feats: int, halves: int,
-              like: torch.Tensor) -> tuple[tuple, torch.Tensor]:
-    """Grid and scratch of row-block kernel ``kernel`` over ``feats`` output columns: one
-    program a tile, or (a staged `RowTiling`) a persistent grid of ``ctas`` programs an SM
-    (at most one a tile), each with a scratch slot of ``halves`` x ABLK x `COL_TILE` values."""
-    t = ROW_TILING[kernel][ablk]
-    if not t.stage:
-        return _grid_rows(tbl, feats), like.new_empty(1, dtype=torch.int16)
-    nprog = min(tbl.shape[0] * triton.cdiv(feats, COL_TILE), _sm_count(like.device) * t.ctas)
-    return (nprog,), like.new_empty(nprog * halves * ablk * COL_TILE, dtype=torch.int16)
 
 
 def _quant_outs(outs: dict, like: torch.Tensor) -> tuple[list, dict]:
@@ -777,11 +638,10 @@ def dispatch(x, src, tbl, top_k, outs, ablk=BLOCK, aligned=False):
     if tbl.shape[0] == 0 or d == 0:
         return
     ptrs, flags = _quant_outs(outs, x)
-    meta = _row_meta(ablk, aligned, "dispatch")
-    grid, scratch = _row_grid("dispatch", ablk, tbl, d, 1, x)
     with on_device(x.device):
-        _dispatch_kernel[grid](x, src, tbl, *ptrs, scratch, d, m, top_k, (d + 127) // 128 * 128,
-                               tbl.shape[0], **flags, **meta)
+        _dispatch_kernel[_grid_rows(tbl, d)](x, src, tbl, *ptrs, d, m, top_k,
+                                             (d + 127) // 128 * 128, **flags,
+                                             **_row_meta(ablk, aligned, "dispatch"))
 
 
 def gather_sum(src, rows, out):
@@ -800,11 +660,10 @@ def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
     if tbl.shape[0] == 0 or hh == 0:
         return
     ptrs, flags = _quant_outs(outs, h)
-    meta = _row_meta(ablk, aligned, "swiglu_fwd")
-    grid, scratch = _row_grid("swiglu_fwd", ablk, tbl, hh, 1, h)
     with on_device(h.device):
-        _swiglu_fwd_kernel[grid](h, src, tbl, *ptrs, scratch, hh, m, (hh + 127) // 128 * 128,
-                                 tbl.shape[0], **flags, **meta)
+        _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m,
+                                                (hh + 127) // 128 * 128, **flags,
+                                                **_row_meta(ablk, aligned, "swiglu_fwd"))
 
 
 def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
@@ -813,13 +672,10 @@ def swiglu_bwd(da, h, src, tbl, outs, ablk=BLOCK, aligned=False):
         return
     ptrs, flags = _quant_outs(outs, h)
     joint = hh % ablk != 0
-    meta = _row_meta(ablk, aligned, "swiglu_bwd")
-    grid, scratch = _row_grid("swiglu_bwd", ablk, tbl, 2 * hh if joint else hh,
-                              1 if joint else 2, h)
     with on_device(h.device):
-        _swiglu_bwd_kernel[grid](da, h, src, tbl, *ptrs, scratch, hh, m,
-                                 (2 * hh + 127) // 128 * 128, tbl.shape[0], **flags, JOINT=joint,
-                                 **meta)
+        _swiglu_bwd_kernel[_grid_rows(tbl, 2 * hh if joint else hh)](
+            da, h, src, tbl, *ptrs, hh, m, (2 * hh + 127) // 128 * 128, **flags, JOINT=joint,
+            **_row_meta(ablk, aligned, "swiglu_bwd"))
 
 
 def combine_fwd(y, rows, weights, out):

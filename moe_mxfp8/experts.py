@@ -16,7 +16,8 @@ quantization of its output, the down GEMM, the combine), each row a token routed
 group with weight 1, so both recipes (``scale_blocks`` "1x32", "32x32", "1x128") and the same
 fused kernels and backward serve both modules. The groups are re-laid out on the device with the
 recipe's group alignment (16 rows, 128 for "1x128"; the dispatch copies the rows into it while
-quantizing), so nothing reads the counts on the host; ``out`` has ``x``'s dtype.
+quantizing), from the counts alone (`routing.sorted_layout`: the rows come sorted, so nothing
+sorts them again), and nothing reads the counts on the host; ``out`` has ``x``'s dtype.
 
 Rows of ``x`` past ``sum(num_tokens_per_expert)`` -- torchtitan's static-size padding after
 ``generate_permute_indices`` (how it fills them differs between torchtitan versions) -- are
@@ -142,15 +143,15 @@ class MXFP8GroupedExperts(nn.Module):
         # the groups' row bounds; the last runs to M (torchtitan's padding rows, module doc)
         bounds = torch.cat([ends[:-1].clamp(max=m), ends.new_full((1,), m)])
         counts = torch.diff(bounds, prepend=bounds.new_zeros(1))
-        rows_idx = torch.arange(m, device=x.device)
-        group = torch.searchsorted(bounds, rows_idx, right=True)  # each row's expert
         # rows past the counts -> zeros (the last group absorbs them; see the module doc)
-        xb = torch.where((rows_idx < ends[-1])[:, None], x.to(COMPUTE_DTYPE), 0.0)
+        xb = torch.where((torch.arange(m, device=x.device) < ends[-1])[:, None],
+                         x.to(COMPUTE_DTYPE), 0.0)
         w13 = torch.cat([w1.to(COMPUTE_DTYPE), w3.to(COMPUTE_DTYPE)], dim=1)  # (E, 2H, D)
         recipe = self._recipe(x.device)
         align = group_align_rows(recipe) if self.precision == "mxfp8" else 1
-        # the layer's expert block: each row a token routed to its group with weight 1
-        rows, src, offs = RT.route_layout(group[:, None], counts, align)
+        # the layer's expert block: each row a token routed to its group with weight 1; the
+        # rows come sorted by expert, so their layout needs no sort
+        rows, src, offs = RT.sorted_layout(counts, m, align)
         ones = torch.ones(m, 1, device=x.device, dtype=torch.float32)
         out = DP.routed_experts(xb, w13, w2.to(COMPUTE_DTYPE), ones, rows, src, offs,
                                 precision=self.precision, backend=self.backend,

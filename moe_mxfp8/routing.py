@@ -10,7 +10,9 @@ gives, on the device and without a host sync::
     src  (M,)   int32   pair index t*k + j of each row, -1 for the zero pad rows
     offs (E,)   int32   cumulative group ends; offs[-1] == M = padded_extent(T*k, E, align)
 
-`block_table` cuts that buffer into the row kernels' blocks (`moe_mxfp8.stages`).
+`sorted_layout` gives the same tensors for rows that already come sorted by expert, one slot
+each, from the counts alone (no sort). `block_table` cuts that buffer into the row kernels'
+blocks (`moe_mxfp8.stages`).
 """
 
 from __future__ import annotations
@@ -30,27 +32,53 @@ def route_layout(expert_ids: Tensor, counts: Tensor, align: int) -> tuple[Tensor
     """``expert_ids (T, k)`` and ``counts (E,)`` -> ``rows (T, k)``, ``src (M,)``, ``offs (E,)``
     (int32, on the ids' device, no host sync; see the module doc). Pairs keep their token order
     inside a group (stable sort). The last group absorbs the slack up to the static extent."""
-    if not isinstance(align, int) or align < 1:
-        raise ValueError(f"route_layout: align must be a positive int, got {align!r}")
+    _check_align("route_layout", align)
     t, k = expert_ids.shape
-    e = counts.numel()
     m = t * k
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = counts.to(torch.int64)
-    padded = (counts + align - 1) // align * align
-    pad_start = torch.cumsum(padded, 0) - padded
-    start = torch.cumsum(counts, 0) - counts
-    g = flat[order]
-    rows_sorted = pad_start[g] + torch.arange(m, device=flat.device) - start[g]
+    shift, m_pad, offs = _groups(counts, m, align)
+    rows_sorted = shift[flat[order]] + torch.arange(m, device=flat.device)
     rows = torch.empty_like(order).scatter_(0, order, rows_sorted)
-    m_pad = padded_extent(m, e, align)
     src = torch.full((m_pad,), -1, dtype=torch.int64, device=flat.device)
     src = src.scatter_(0, rows_sorted, order)
+    return rows.to(torch.int32).reshape(t, k), src.to(torch.int32), offs
+
+
+def sorted_layout(counts: Tensor, m: int, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The layout of ``m`` rows that already come sorted by expert, one slot each (``counts
+    (E,)`` rows per expert, summing to ``m``: torchtitan's grouped tokens): ``rows (m, 1)``,
+    ``src``, ``offs`` as `route_layout` gives them for those rows' expert ids, bit for bit,
+    without its sort (on the counts' device, no host sync)."""
+    _check_align("sorted_layout", align)
+    if C.values_on_host(counts) and int(counts.sum()) != m:
+        raise ValueError(f"sorted_layout: counts must sum to m={m}, got {int(counts.sum())}")
+    shift, m_pad, offs = _groups(counts, m, align)
+    r = torch.arange(m, device=counts.device)
+    # each row's expert: the first group that ends past it (empty groups end where they start)
+    g = torch.searchsorted(torch.cumsum(counts.to(torch.int64), 0), r, right=True)
+    rows = shift[g] + r
+    src = torch.full((m_pad,), -1, dtype=torch.int64, device=counts.device).scatter_(0, rows, r)
+    return rows.to(torch.int32)[:, None], src.to(torch.int32), offs
+
+
+def _check_align(who: str, align) -> None:
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"{who}: align must be a positive int, got {align!r}")
+
+
+def _groups(counts: Tensor, m: int, align: int) -> tuple[Tensor, int, Tensor]:
+    """The padded groups of ``m`` sorted pairs, ``counts (E,)`` per expert: each group's shift
+    from its sorted position to its row (int64), the static extent ``M``, and ``offs`` (int32).
+    The last group absorbs the slack up to ``M``."""
+    counts = counts.to(torch.int64)
+    padded = (counts + align - 1) // align * align
+    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
+    m_pad = padded_extent(m, counts.numel(), align)
     # The last end is the static extent, built on the device (writing a Python int into a CUDA
     # tensor is a host->device copy, which syncs).
     offs = torch.cat([torch.cumsum(padded, 0)[:-1], counts.new_full((1,), m_pad)])
-    return rows.to(torch.int32).reshape(t, k), src.to(torch.int32), offs.to(torch.int32)
+    return shift, m_pad, offs.to(torch.int32)
 
 
 def check_index(who: str, name: str, t, ndim: int, like: Tensor, lo: int = 0,

@@ -90,6 +90,47 @@ def test_route_layout(gen, align):
         assert (r[1:] > r[:-1]).all()
 
 
+@pytest.mark.parametrize("align", [1, 16, 128])
+def test_sorted_layout_is_route_layout_of_sorted_rows(gen, align):
+    """Rows that come sorted by expert (torchtitan's experts call): the layout built from the
+    counts alone equals `route_layout`'s of their expert ids bit for bit, for empty first, middle
+    and last groups, uneven and aligned sizes, one busy expert, no rows, int32 and int64."""
+    rand = torch.randint(0, 40, (9,), generator=gen)
+    rand[torch.randperm(9, generator=gen)[:3]] = 0
+    cases = [rand, torch.tensor([0, 7, 0, 19, 3, 11, 0]), torch.tensor([16, 16, 0, 128, 1]),
+             torch.tensor([0, 0, 40, 0, 0]), torch.zeros(4, dtype=torch.int64),
+             torch.tensor([5, 0, 300], dtype=torch.int32)]
+    for counts in cases:
+        ids = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        want = RT.route_layout(ids[:, None], counts, align)
+        got = RT.sorted_layout(counts, ids.numel(), align)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_sorted_layout_without_host_sync():
+    """On CUDA counts: no host sync (sync debug mode "error"), the CPU's layout."""
+    counts = torch.tensor([130, 0, 77, 301, 5, 200])
+    want = RT.sorted_layout(counts, 713, 128)
+    c = counts.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = RT.sorted_layout(c, 713, 128)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(got, want, strict=True):
+        assert a.is_cuda and torch.equal(a.cpu(), b)
+
+
+def test_sorted_layout_bad_arguments():
+    with pytest.raises(ValueError, match="sorted_layout: counts must sum to m=8, got 7"):
+        RT.sorted_layout(torch.tensor([3, 4]), 8, 16)
+    with pytest.raises(ValueError, match="sorted_layout: align must be a positive int"):
+        RT.sorted_layout(torch.tensor([3, 4]), 7, 0)
+
+
 @pytest.mark.parametrize("block", [32, 128])
 def test_block_table_covers_every_row_once(gen, block):
     ids, counts = make_routing(gen, 90, 2, 6)
