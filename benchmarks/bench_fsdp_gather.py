@@ -105,6 +105,10 @@ def bench_tokens(env: Env, shape: dict, tokens: int, mesh, args) -> dict:
     res = {**shape, "world_size": ws, "tokens_per_rank": tokens, "recipe": "1x128"}
     first = {}
     for name, mxfp8 in (("bf16", False), ("mxfp8", True)):
+        if not env.cpu:  # peak memory of this variant alone, above what exists before it
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         model, layer, counter = _model(env, shape, state, mxfp8, mesh)
 
         def step(model=model):
@@ -114,7 +118,8 @@ def bench_tokens(env: Env, shape: dict, tokens: int, mesh, args) -> dict:
             return xa
 
         xa = step()
-        first[name] = [xa.grad, *(p.grad.to_local() for p in model.parameters())]
+        # kept on the host: the next variant's peak must not hold this one's gradients
+        first[name] = [t.cpu() for t in (xa.grad, *(p.grad.to_local() for p in model.parameters()))]
         counter.sent = 0
         res[f"step_ms_{name}"] = env.time_ms(step, args.warmup, args.reps)
         res[f"gather_bytes_per_step_{name}"] = counter.sent // (args.warmup + args.reps)
@@ -125,11 +130,9 @@ def bench_tokens(env: Env, shape: dict, tokens: int, mesh, args) -> dict:
 
         res[f"gather_ms_{name}"] = env.time_ms(gather, args.warmup, args.reps)
         res[f"expert_bytes_per_gather_{name}"] = expert_bytes_per_gather(shape, ws, mxfp8)
-        del model, layer, counter
+        del model, layer, counter, xa
         if not env.cpu:
-            res[f"peak_gib_{name}"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+            res[f"peak_gib_{name}"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     same = all(torch.equal(a, b) for a, b in zip(first["bf16"], first["mxfp8"], strict=True))
     flags = torch.tensor([float(same)], device=env.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
