@@ -37,7 +37,7 @@ def _to_bf16(v, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _pack_kernel(x_ptr, idx_ptr, out_ptr, R, D, INTERP: tl.constexpr, RB: tl.constexpr,
+def _pack_kernel(x_ptr, idx_ptr, out_ptr, R, D, W, INTERP: tl.constexpr, RB: tl.constexpr,
                  CB: tl.constexpr):
     r = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = r < R
@@ -47,8 +47,7 @@ def _pack_kernel(x_ptr, idx_ptr, out_ptr, R, D, INTERP: tl.constexpr, RB: tl.con
     m2 = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + src[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     q, byte = _row_blocks(x, INTERP, RB, CB, QBLK)
-    width = D + D // QBLK  # payload row length in bytes
-    row = out_ptr + r.to(tl.int64)[:, None] * width
+    row = out_ptr + r.to(tl.int64)[:, None] * W
     tl.store(row + cols[None, :], q, mask=m2)
     blk = tl.program_id(1) * (CB // QBLK) + tl.arange(0, CB // QBLK)
     tl.store(row + D + blk[None, :], byte.to(tl.uint8),
@@ -56,14 +55,14 @@ def _pack_kernel(x_ptr, idx_ptr, out_ptr, R, D, INTERP: tl.constexpr, RB: tl.con
 
 
 @triton.jit
-def _unpack_kernel(rows_ptr, out_ptr, R, D, INTERP: tl.constexpr, RB: tl.constexpr,
+def _unpack_kernel(rows_ptr, out_ptr, R, D, W, INTERP: tl.constexpr, RB: tl.constexpr,
                    CB: tl.constexpr):
     r = tl.program_id(0) * RB + tl.arange(0, RB)
     rmask = r < R
     cols = tl.program_id(1) * CB + tl.arange(0, CB)
     cmask = cols < D
     m2 = rmask[:, None] & cmask[None, :]
-    row = rows_ptr + r.to(tl.int64)[:, None] * (D + D // QBLK)
+    row = rows_ptr + r.to(tl.int64)[:, None] * W
     code = tl.load(row + cols[None, :], mask=m2, other=0)
     # E4M3 code s eeee mmm as the fp32 bits s 0000eeee mmm 0..0: exactly q * 2^-120 (subnormal
     # codes included); NaN codes (x 1111 111) get the fp32 NaN.
@@ -72,8 +71,12 @@ def _unpack_kernel(rows_ptr, out_ptr, R, D, INTERP: tl.constexpr, RB: tl.constex
     mag = ci & 0x7F
     q = ((mag << 20) | sign).to(tl.float32, bitcast=True)
     q = tl.where(mag == 0x7F, float("nan"), q)
-    blk = cols // QBLK
-    sb = tl.load(row + D + blk[None, :], mask=m2, other=127).to(tl.int32)
+    # the tile's CB / 32 scale bytes of each row, loaded once and repeated over their blocks
+    nb: tl.constexpr = CB // QBLK
+    blk = tl.program_id(1) * nb + tl.arange(0, nb)
+    sb = tl.load(row + D + blk[None, :], mask=rmask[:, None] & (blk < D // QBLK)[None, :],
+                 other=127).to(tl.int32)
+    sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (RB, nb, QBLK)), (RB, CB))
     # value = q * 2^120 * 2^(s - 127) = q * 2^(s - 7), as two exact power-of-two factors that
     # are normal fp32 numbers: 2^(min(s, 134) - 7) and 2^(max(s, 134) - 134). The first product
     # is the final value for s <= 134 (exact: at least 2^-136, above fp32's 2^-149); above 134
@@ -95,8 +98,8 @@ def pack_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return out
     grid = (triton.cdiv(r, ROWS), triton.cdiv(d, COLS))
     with on_device(x.device):
-        _pack_kernel[grid](x, index, out, r, d, INTERP=INTERPRET, RB=ROWS, CB=COLS,
-                           num_warps=4)
+        _pack_kernel[grid](x, index, out, r, d, out.shape[1], INTERP=INTERPRET, RB=ROWS,
+                           CB=COLS, num_warps=4)
     return out
 
 
@@ -108,5 +111,6 @@ def unpack_rows(rows: torch.Tensor, d: int) -> torch.Tensor:
         return out
     grid = (triton.cdiv(r, ROWS), triton.cdiv(d, COLS))
     with on_device(rows.device):
-        _unpack_kernel[grid](rows, out, r, d, INTERP=INTERPRET, RB=ROWS, CB=COLS, num_warps=4)
+        _unpack_kernel[grid](rows, out, r, d, rows.shape[1], INTERP=INTERPRET, RB=ROWS,
+                             CB=COLS, num_warps=4)
     return out
