@@ -20,8 +20,14 @@ from .datapath_triton import INTERPRET, QBLK, _row_blocks
 from .device import on_device
 from .mx_format import BLOCK_SIZE
 
-ROWS = 16  # payload rows per program
-COLS = 128  # features per program (4 blocks)
+# Per program: ROWS payload rows x COLS features, 4 warps. The unpack takes 256 features (H100,
+# 2026-11-27: 0.64 against 0.70 ms at 65536 x 7168, 0.196 against 0.207 ms at 65536 x 2048);
+# the pack keeps 128 (256 was 9 % slower at 2048 features, 6 % faster at 7168). Rows 8-64 and
+# 8 warps changed neither by more than 3 %.
+ROWS = 16
+PACK_COLS = 128
+UNPACK_COLS = 256
+WARPS = 4
 
 
 @triton.jit
@@ -96,10 +102,10 @@ def pack_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(r, d + d // BLOCK_SIZE, dtype=torch.uint8)
     if r == 0 or d == 0:
         return out
-    grid = (triton.cdiv(r, ROWS), triton.cdiv(d, COLS))
+    grid = (triton.cdiv(r, ROWS), triton.cdiv(d, PACK_COLS))
     with on_device(x.device):
         _pack_kernel[grid](x, index, out, r, d, out.shape[1], INTERP=INTERPRET, RB=ROWS,
-                           CB=COLS, num_warps=4)
+                           CB=PACK_COLS, num_warps=WARPS)
     return out
 
 
@@ -109,8 +115,8 @@ def unpack_rows(rows: torch.Tensor, d: int) -> torch.Tensor:
     out = rows.new_empty(r, d, dtype=torch.bfloat16)
     if r == 0 or d == 0:
         return out
-    grid = (triton.cdiv(r, ROWS), triton.cdiv(d, COLS))
+    grid = (triton.cdiv(r, ROWS), triton.cdiv(d, UNPACK_COLS))
     with on_device(rows.device):
         _unpack_kernel[grid](rows, out, r, d, rows.shape[1], INTERP=INTERPRET, RB=ROWS,
-                             CB=COLS, num_warps=4)
+                             CB=UNPACK_COLS, num_warps=WARPS)
     return out

@@ -77,7 +77,7 @@ def check_layer(layer: Any, shard_size: int) -> None:
                          f"{shard_size} ranks (a shard must hold whole experts)")
 
 
-def wrap_expert_weights(layer: nn.Module) -> None:
+def wrap_expert_weights(layer: Any) -> None:
     """Before ``fully_shard``: the layer's expert weights as `MXFP8ShardedWeight` parameters,
     and a ``state_dict`` hook that hands out the plain shards."""
     recipe = layer.scale_blocks
@@ -94,9 +94,9 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
     if isinstance(t, MXFP8ShardedWeight):
-        return t.inner
+        return t.shard
     if isinstance(t, DTensor) and isinstance(t._local_tensor, MXFP8ShardedWeight):
-        return DTensor.from_local(t._local_tensor.inner, t.device_mesh, t.placements,
+        return DTensor.from_local(t._local_tensor.shard, t.device_mesh, t.placements,
                                   run_check=False, shape=t.shape, stride=t.stride())
     return t
 
@@ -110,21 +110,23 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
 class MXFP8ShardedWeight(torch.Tensor):
     """A rank's shard of expert weights ``(E_local, N, K)`` (BF16 or fp32) that FSDP2 all-gathers
-    as MXFP8 along K with ``block_rows`` weight tiles. Every op sees the plain shard ``inner``;
+    as MXFP8 along K with ``block_rows`` weight tiles. Every op sees the plain shard ``shard``;
     FSDP2's chunking and views keep the wrapper (`_KEEP_SHARD_WRAPPER`)."""
 
-    inner: torch.Tensor
+    shard: torch.Tensor  # the plain shard (not ``inner``: a Tensor method's name)
+    block_rows: int
+    backend: str
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, block_rows: int, backend: str):
+    def __new__(cls, shard: torch.Tensor, block_rows: int, backend: str):
         t = torch.Tensor._make_wrapper_subclass(
-            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
-            dtype=inner.dtype, device=inner.device, requires_grad=False)
-        t.inner, t.block_rows, t.backend = inner, block_rows, backend
+            cls, shard.shape, strides=shard.stride(), storage_offset=shard.storage_offset(),
+            dtype=shard.dtype, device=shard.device, requires_grad=False)
+        t.shard, t.block_rows, t.backend = shard, block_rows, backend
         return t
 
-    def __repr__(self) -> str:
-        return f"MXFP8ShardedWeight({self.inner!r}, block_rows={self.block_rows})"
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
+        return f"MXFP8ShardedWeight({self.shard!r}, block_rows={self.block_rows})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -133,8 +135,8 @@ class MXFP8ShardedWeight(torch.Tensor):
         inners = {}
 
         def unwrap(t):
-            inners[id(t.inner)] = t
-            return t.inner
+            inners[id(t.shard)] = t
+            return t.shard
 
         out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs or {}))
         if func in _KEEP_SHARD_WRAPPER and meta is not None:
@@ -145,7 +147,7 @@ class MXFP8ShardedWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """The all-gather inputs: this rank's experts quantized along K, cast first as the BF16
         path casts them (FSDP's ``param_dtype``, then the layer's BF16)."""
-        w = self.inner.to(mp_policy.param_dtype or self.dtype).to(BF16).contiguous()
+        w = self.shard.to(mp_policy.param_dtype or self.dtype).to(BF16).contiguous()
         q = quantize_weights(w, axis="K", block_rows=self.block_rows, backend=self.backend)
         experts = w.shape[0]
         return (q.data.view(torch.uint8), q.scale.view(experts, -1)), None
@@ -181,7 +183,7 @@ class MXFP8GatheredWeight(torch.Tensor):
         t.data_u8, t.scale, t.block_rows = data_u8, scale, block_rows
         return t
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
         return (f"MXFP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"block_rows={self.block_rows})")
 

@@ -119,7 +119,7 @@ def test_sharded_weight_is_its_shard():
     assert type(out) is torch.Tensor and torch.equal(out, inner * 2)
     assert s.add_(1) is s and torch.equal(inner[0, 0], torch.arange(1.0, 5.0))
     v = s.view(-1)
-    assert isinstance(v, FM.MXFP8ShardedWeight) and v.inner.data_ptr() == inner.data_ptr()
+    assert isinstance(v, FM.MXFP8ShardedWeight) and v.shard.data_ptr() == inner.data_ptr()
     assert type(FM.plain(s)) is torch.Tensor and FM.plain(s) is inner
 
 
