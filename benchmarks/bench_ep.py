@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.bench_moe_layer import SHAPES
+from benchmarks.timing import collective_ms
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import expert_parallel as EP
 
@@ -40,27 +39,7 @@ BACKEND = "auto"
 
 
 def time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    if DEV == "cpu":
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return collective_ms(fn, warmup, reps, cuda=DEV == "cuda")
 
 
 def bench_shape(shape, tokens: int, group) -> dict:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from moe_mxfp8.kernels.mx_format import BLOCK_SIZE, expert_scale_stride
 
+from benchmarks.timing import collective_ms
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import fsdp as FS
 from moe_mxfp8 import fsdp_mxfp8 as FM
@@ -51,23 +50,7 @@ class Env:
         self.backend = "reference" if cpu else "auto"
 
     def time_ms(self, fn, warmup: int, reps: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            if self.cpu:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
+        return collective_ms(fn, warmup, reps, cuda=not self.cpu)
 
 
 def expert_bytes_per_gather(shape: dict, shard: int, mxfp8: bool) -> int:

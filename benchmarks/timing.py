@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,6 +55,33 @@ def bench_us(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def collective_ms(fn: Callable[[], object], warmup: int, reps: int, cuda: bool) -> float:
+    """Median milliseconds of one ``fn()`` that every rank of the default process group calls
+    together (eager: expert parallelism reads its split sizes on the host, no CUDA graphs): a
+    barrier before each timed call, CUDA events around it (``cuda``), else the host clock."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
     return statistics.median(times)
 
 

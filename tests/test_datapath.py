@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,20 +26,11 @@ from moe_mxfp8 import reference as R
 from moe_mxfp8 import routing as RT
 from moe_mxfp8 import stages as ST
 from moe_mxfp8.autograd import grouped_mm
+from tests.triton_sm90 import run_interpreted
 
 BF16 = torch.bfloat16
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-def run_interpreted(code: str, seed: int) -> None:
-    """Run ``code`` in a fresh Python under Triton's interpreter (it must be chosen before
-    Triton's first import, which torch.compile in this process may already have made)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parent.parent
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, (seed, res.stderr[-3000:])
-
 
 
 def make_routing(gen, t, k, e, device="cpu", empty_last=True):

@@ -21,9 +21,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +31,7 @@ from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
 from moe_mxfp8 import expert_parallel as EP
 from tests.compare import fwd_bwd, sqnr_db
 from tests.spawned import DEVICE, LAYER_BACKEND, free_port, init_rank, leave_worker
+from tests.triton_sm90 import interpreter_only, run_check_interpreted
 
 BF16 = torch.bfloat16
 DIM, HIDDEN, EXPERTS, TOP_K = 128, 128, 8, 2  # 128: a whole 1x128 block
@@ -384,18 +382,11 @@ def check_payload_kernels(gen, device):
     assert torch.equal(got.view(torch.int16), EP.unpack_mxfp8_rows_ref(rows, 448).view(torch.int16))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
-                    reason="Triton interpreter run (CPU machine with Triton installed)")
+@interpreter_only
 def test_payload_kernels_interpreter(gen):
     """`check_payload_kernels` in Triton's interpreter (a subprocess: the interpreter must be
     chosen before Triton is first imported)."""
-    seed = int(torch.randint(2**62, (1,), generator=gen))
-    code = ("import torch; from tests.test_expert_parallel import check_payload_kernels as c;"
-            f"c(torch.Generator().manual_seed({seed}), 'cpu')")
-    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         cwd=Path(__file__).resolve().parent.parent, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, (seed, res.stderr[-3000:])
+    run_check_interpreted("tests.test_expert_parallel:check_payload_kernels", gen)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")

@@ -7,10 +7,6 @@ weights), and the two tensor classes' behaviour outside FSDP2. Under FSDP2: test
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +16,7 @@ from moe_mxfp8 import datapath as DP
 from moe_mxfp8 import fsdp_mxfp8 as FM
 from moe_mxfp8 import routing as RT
 from moe_mxfp8.quantize import quantize_weights, weights_along_n
+from tests.triton_sm90 import interpreter_only, run_check_interpreted
 
 BF16 = torch.bfloat16
 GPU = torch.cuda.is_available()
@@ -148,18 +145,11 @@ def check_transpose_kernel(gen, device: str) -> None:
         assert torch.equal(got.cpu(), data.cpu().transpose(-2, -1)), shape
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
-                    reason="Triton interpreter run (CPU machine with Triton installed)")
+@interpreter_only
 def test_transpose_kernel_interpreter(gen):
     """`check_transpose_kernel` in Triton's interpreter (a subprocess: the interpreter must be
     chosen before Triton is first imported)."""
-    seed = int(torch.randint(2**62, (1,), generator=gen))
-    code = ("import torch; from tests.test_fsdp_mxfp8 import check_transpose_kernel as c;"
-            f"c(torch.Generator().manual_seed({seed}), 'cpu')")
-    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         cwd=Path(__file__).resolve().parent.parent, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, (seed, res.stderr[-3000:])
+    run_check_interpreted("tests.test_fsdp_mxfp8:check_transpose_kernel", gen)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")

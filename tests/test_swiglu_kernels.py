@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from benchmarks.bench_rowkernels import KIND_VARIANTS, VARIANTS
-from tests.test_datapath import _check_kernels, _kernel_module, run_interpreted
+from tests.test_datapath import _check_kernels, _kernel_module
+from tests.triton_sm90 import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

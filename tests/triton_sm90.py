@@ -1,9 +1,43 @@
-"""Compile a Triton kernel for sm_90 on a machine without a GPU (Triton ships its own ptxas):
-the CPU tests' check that a kernel builds for the device, and the PTX/cubin to inspect."""
+"""Triton kernels on a machine without a GPU: compiled for sm_90 (Triton ships its own ptxas:
+the CPU tests' check that a kernel builds for the device, and the PTX/cubin to inspect), and run
+in Triton's interpreter (`run_interpreted`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# a test run in Triton's interpreter: a CPU machine with Triton installed (on a GPU machine the
+# compiled kernels' GPU tests cover the same checks)
+interpreter_only = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+    reason="Triton interpreter run (CPU machine with Triton installed)")
+
+
+def run_interpreted(code: str, seed: int) -> None:
+    """Run ``code`` in a fresh Python under Triton's interpreter (it must be chosen before
+    Triton's first import, which torch.compile in this process may already have made)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, (seed, res.stderr[-3000:])
+
+
+def run_check_interpreted(check: str, gen: torch.Generator) -> None:
+    """``check`` (``"module:function"``, called as ``function(generator, "cpu")``) in Triton's
+    interpreter, its generator seeded from ``gen`` (the seed is in the failure message)."""
+    module, function = check.split(":")
+    seed = int(torch.randint(2**62, (1,), generator=gen))
+    run_interpreted(f"import torch; from {module} import {function} as c; "
+                    f"c(torch.Generator().manual_seed({seed}), 'cpu')", seed)
 
 
 def compile_for_sm90(fn, constexprs: dict, pointer_types: dict, num_warps: int,
