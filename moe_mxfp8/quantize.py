@@ -235,8 +235,8 @@ def weights_along_n(along_k: MXFP8Tensor, backend: str | None = "auto") -> MXFP8
     transposed per expert, with each tile's scale laid out for the transposed matrix: one byte
     copy, no quantizer, no BF16 weights (MXFP8 all-gathered weights, `moe_mxfp8.fsdp_mxfp8`).
     On CUDA (``backend`` not ``"reference"``, Triton installed) the bytes move through a tiled
-    transpose kernel (`kernels.weights_triton`); where N and K are multiples of 128, packed scales
-    are relaid as whole 512-byte chunks (`_tiled_scales_along_n`). The same bytes either way.
+    transpose kernel (`kernels.weights_triton`). Packed scales are relaid as whole 512-byte
+    chunks (`_tiled_scales_along_n`).
     """
     if along_k.group_axis != "experts" or along_k.block_rows not in TILED_WEIGHT_ROWS:
         raise ValueError(f"weights_along_n: needs expert weights with 32x32 or 128x128 scale "
@@ -249,17 +249,14 @@ def weights_along_n(along_k: MXFP8Tensor, backend: str | None = "auto") -> MXFP8
     else:
         data = along_k.data.view(torch.uint8).transpose(-2, -1).contiguous()
     data = data.view(along_k.data.dtype)
-    if along_k.scale_layout == "packed" and n % L.TILE_ROWS == 0 and k % L.TILE_ROWS == 0:
+    if along_k.scale_layout == "packed":
         return MXFP8Tensor(data, _tiled_scales_along_n(along_k.scale, e, n, k), "packed", None,
                            "experts", along_k.block_rows)
-    dense = along_k.dense_scales()  # (E, N, K/32): a tile's value on each of its rows and blocks
-    # scale of N-block j on row k: the tile's, read on N row 32 j and K block k // 32
-    per_n_block = dense[:, :: L.BLOCK_SIZE, :]  # (E, N/32, K/32)
+    # dense (E, N, K/32): the scale of N-block j on row k is the tile's, on N row 32 j and
+    # K block k // 32
+    per_n_block = along_k.scale[:, :: L.BLOCK_SIZE, :]  # (E, N/32, K/32)
     dense_n = per_n_block.repeat_interleave(L.BLOCK_SIZE, dim=2)[:, :, :k].transpose(1, 2)
-    scale = L.pack_scales_experts(dense_n.contiguous())
-    if along_k.scale_layout == "dense":
-        scale = dense_n.contiguous()
-    return MXFP8Tensor(data, scale, along_k.scale_layout, None, "experts", along_k.block_rows)
+    return MXFP8Tensor(data, dense_n.contiguous(), "dense", None, "experts", along_k.block_rows)
 
 
 def _weights_kernels():
@@ -272,16 +269,17 @@ def _weights_kernels():
 
 
 def _tiled_scales_along_n(scale: torch.Tensor, e: int, n: int, k: int) -> torch.Tensor:
-    """`weights_along_n`'s packed scales when N and K are multiples of 128: views and one
-    permuted copy, no index arithmetic.
+    """`weights_along_n`'s packed scales: views and one permuted copy, no index arithmetic.
 
     A packed chunk holds 128 rows x 4 blocks as ``[row % 32][row group of 32][block % 4]``; with
     one scale per 32x32 (or 128x128) tile its value depends on the row group and the block only,
     so a chunk is a 4x4 matrix of tile scales repeated over the 32 rows. The transposed matrix's
     chunk (k tile, n tile) holds the transposed 4x4 of chunk (n tile, k tile): its row groups are
-    the blocks of 32 columns, and its blocks the row groups.
+    the blocks of 32 columns, and its blocks the row groups. N and K are multiples of 32, so a
+    padding row group (past N) becomes a padding block and a padding block (past K) a padding row
+    group: the zero bytes of the layout stay zero.
     """
-    nt, kt = n // L.TILE_ROWS, k // L.TILE_ROWS
+    nt, kt = L.ceil_div(n, L.TILE_ROWS), L.ceil_div(k, L.TILE_ROWS)
     g = L.TILE_ROWS // L.BLOCK_SIZE  # row groups of a chunk (= its blocks, L.TILE_BLOCKS)
     groups = scale.view(e, nt, kt, L.BLOCK_SIZE, g, g)[:, :, :, 0]  # (E, NT, KT, group, block)
     swapped = groups.permute(0, 2, 1, 4, 3)  # (E, KT, NT, group', block')
