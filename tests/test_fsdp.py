@@ -284,10 +284,51 @@ def _check_mxfp8_all_gather(rank: int, ws: int, seed: int, device: str, path: st
             FS.fully_shard_moe(layer, mxfp8_all_gather=True, **shard)
 
 
+class _Recomputed(torch.nn.Module):
+    """``module`` under activation checkpointing (non-reentrant, as torchtitan's)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.module, x, use_reentrant=False)
+
+
+def check_mxfp8_all_gather_variants(rank: int, ws: int, seed: int, device: str) -> None:
+    """``mxfp8_all_gather=True`` where backward reuses the forward's gathered weights
+    (``reshard_after_forward=False``) and where the forward is recomputed in backward
+    (activation checkpointing): the BF16 all-gather's outputs and gradients, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device, (ws,))
+    ref, x, dy = _batch(seed, ws, device)
+    sl = _slices(ws)[rank]
+    for recompute, fsdp_kwargs in ((False, {"reshard_after_forward": False}), (True, {})):
+        runs = []
+        for mxfp8 in (False, True):
+            # 32x32 tiles: several a weight at these sizes (one 128x128 tile would not show a
+            # misplaced tile scale)
+            layer = _layer(device, scale_blocks="32x32")
+            layer.load_state_dict(ref.state_dict())
+            model = torch.nn.Sequential(_Recomputed(layer) if recompute else layer)
+            FS.fully_shard_moe(model, mesh, mxfp8_all_gather=mxfp8, **fsdp_kwargs)
+            fully_shard(model, mesh=mesh)
+            y, dx, g = fwd_bwd(model, x[sl], dy[sl])
+            runs.append((y, dx, {k: _full(v) for k, v in g.items()}))
+        (y0, dx0, g0), (y1, dx1, g1) = runs
+        label = (recompute, fsdp_kwargs)
+        assert torch.equal(y0, y1) and torch.equal(dx0, dx1), label
+        assert all(torch.equal(g0[k], g1[k]) for k in g0), label
+
+
 # CPU: FSDP alone at world 2, FSDP x EP at 4 (CI time); NCCL: every check the GPUs allow
-CHECKS = {("gloo", 2): [check_fsdp_alone, check_fsdp_ep, check_mxfp8_all_gather],
+CHECKS = {("gloo", 2): [check_fsdp_alone, check_fsdp_ep, check_mxfp8_all_gather,
+                        check_mxfp8_all_gather_variants],
           ("gloo", 4): [check_fsdp_ep, check_dcp, check_mxfp8_all_gather],
-          ("nccl", 2): [check_fsdp_alone, check_fsdp_ep, check_mxfp8_all_gather],
+          ("nccl", 2): [check_fsdp_alone, check_fsdp_ep, check_mxfp8_all_gather,
+                        check_mxfp8_all_gather_variants],
           ("nccl", 4): [check_fsdp_ep, check_dcp, check_mxfp8_all_gather]}
 
 
