@@ -19,6 +19,7 @@ import torch
 from . import checks as C
 from . import layout as L
 from . import reference as R
+from . import stages as ST
 from .backend import resolve_backend
 from .kernels.grouped_gemm.problem import kernel_offs
 from .kernels.mx_format import ACT_BLOCK, SCALE_BLOCKS, WEIGHT_BLOCK_ROWS
@@ -234,8 +235,9 @@ def weights_along_n(along_k: MXFP8Tensor, backend: str | None = "auto") -> MXFP8
     either axis (`quantize_weights`). So ``quantize_weights(w, axis="N")`` is ``along_k``'s data
     transposed per expert, with each tile's scale laid out for the transposed matrix: one byte
     copy, no quantizer, no BF16 weights (MXFP8 all-gathered weights, `moe_mxfp8.fsdp_mxfp8`).
-    On CUDA (``backend`` not ``"reference"``, Triton installed) the bytes move through a tiled
-    transpose kernel (`kernels.weights_triton`). Packed scales are relaid as whole 512-byte
+    Where the data path's Triton kernels run (`stages.use_triton`: CUDA, Triton installed,
+    ``backend`` not ``"reference"``) the bytes move through a tiled transpose kernel
+    (`kernels.weights_triton`). Packed scales are relaid as whole 512-byte
     chunks (`_tiled_scales_along_n`).
     """
     if along_k.group_axis != "experts" or along_k.block_rows not in TILED_WEIGHT_ROWS:
@@ -244,8 +246,10 @@ def weights_along_n(along_k: MXFP8Tensor, backend: str | None = "auto") -> MXFP8
                          f"{along_k.block_rows}")
     e, n, k = along_k.data.shape
     C.check_multiple_of("along_k", n, L.BLOCK_SIZE, "the N axis")
-    if along_k.data.is_cuda and backend != "reference" and _weights_kernels() is not None:
-        data = _weights_kernels().transpose_experts(along_k.data.view(torch.uint8).contiguous())
+    if ST.use_triton(along_k.data, backend):
+        from .kernels import weights_triton
+
+        data = weights_triton.transpose_experts(along_k.data.view(torch.uint8).contiguous())
     else:
         data = along_k.data.view(torch.uint8).transpose(-2, -1).contiguous()
     data = data.view(along_k.data.dtype)
@@ -257,15 +261,6 @@ def weights_along_n(along_k: MXFP8Tensor, backend: str | None = "auto") -> MXFP8
     per_n_block = along_k.scale[:, :: L.BLOCK_SIZE, :]  # (E, N/32, K/32)
     dense_n = per_n_block.repeat_interleave(L.BLOCK_SIZE, dim=2)[:, :, :k].transpose(1, 2)
     return MXFP8Tensor(data, dense_n.contiguous(), "dense", None, "experts", along_k.block_rows)
-
-
-def _weights_kernels():
-    """`kernels.weights_triton`, or None without Triton (then PyTorch moves the bytes)."""
-    try:
-        from .kernels import weights_triton
-    except ImportError:
-        return None
-    return weights_triton
 
 
 def _tiled_scales_along_n(scale: torch.Tensor, e: int, n: int, k: int) -> torch.Tensor:
