@@ -12,7 +12,8 @@ one JSON row with, for the BF16 and the MXFP8 all-gather:
 
 * ``gather_bytes_per_step_*``: bytes this rank sends into the layer's all-gathers in one step
   (counted by `moe_mxfp8.fsdp_mxfp8.AllGatherBytes`; router and shared experts included, BF16
-  in both), and ``expert_bytes_per_gather_*``: the expert weights' share, from the formula;
+  in both), and ``expert_bytes_per_gather_*``: the expert weights' share
+  (`moe_mxfp8.fsdp_mxfp8.expert_gather_bytes`);
 * ``gather_ms_*``: median time of one unshard + reshard of the layer (MXFP8: the quantizer
   before the all-gather included);
 * ``step_ms_*``: median forward + backward (CUDA events, after warm-up; no optimizer step);
@@ -29,7 +30,6 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from moe_mxfp8.kernels.mx_format import BLOCK_SIZE, expert_scale_stride
 
 from benchmarks.timing import collective_ms
 from moe_mxfp8 import MXFP8MoE
@@ -51,16 +51,6 @@ class Env:
 
     def time_ms(self, fn, warmup: int, reps: int) -> float:
         return collective_ms(fn, warmup, reps, cuda=not self.cpu)
-
-
-def expert_bytes_per_gather(shape: dict, shard: int, mxfp8: bool) -> int:
-    """Bytes one rank sends for the expert weights in one all-gather of the layer."""
-    e, d, h = shape["experts"], shape["dim"], shape["hidden"]
-    total = 0
-    for n, k in ((2 * h, d), (d, h)):  # w_gate_up (E, 2H, D), w_down (E, D, H)
-        per_expert = n * k + expert_scale_stride(n, k // BLOCK_SIZE) if mxfp8 else 2 * n * k
-        total += e // shard * per_expert
-    return total
 
 
 def _model(env: Env, shape: dict, state: dict, mxfp8: bool, mesh):
@@ -112,7 +102,7 @@ def bench_tokens(env: Env, shape: dict, tokens: int, mesh, args) -> dict:
             layer.reshard()
 
         res[f"gather_ms_{name}"] = env.time_ms(gather, args.warmup, args.reps)
-        res[f"expert_bytes_per_gather_{name}"] = expert_bytes_per_gather(shape, ws, mxfp8)
+        res[f"expert_bytes_per_gather_{name}"] = FM.expert_gather_bytes(layer, ws, mxfp8)
         del model, layer, counter, xa
         if not env.cpu:
             res[f"peak_gib_{name}"] = (torch.cuda.max_memory_allocated() - base) / 2**30

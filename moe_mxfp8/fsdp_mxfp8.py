@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from . import datapath as DP
-from .kernels.mx_format import WEIGHT_BLOCK_ROWS
+from .kernels.mx_format import BLOCK_SIZE, WEIGHT_BLOCK_ROWS, expert_scale_stride
 from .mx_tensor import FP8, MXFP8Tensor
 from .quantize import TILED_WEIGHT_ROWS, quantize_weights, weights_along_n
 
@@ -229,10 +229,23 @@ def _with_prequantized(func, args, kwargs) -> dict:
         if w.block_rows != rows:
             raise ValueError(f"MXFP8GatheredWeight: {name} was gathered with {w.block_rows}-row "
                              f"tiles but the operator runs scale_blocks={bound['scale_blocks']!r}")
-        q = w.along_k() if axis == "K" else weights_along_n(w.along_k())
+        q = w.along_k() if axis == "K" else weights_along_n(w.along_k(), bound["backend"])
         bound[name] = torch.empty((), dtype=BF16, device=w.device).expand(w.shape)
         bound[data_arg], bound[scale_arg] = q.data.view(torch.uint8), q.scale
     return bound
+
+
+def expert_gather_bytes(layer: Any, shard_size: int, mxfp8: bool) -> int:
+    """Bytes one rank sends for ``layer``'s expert weights in one all-gather over ``shard_size``
+    ranks: its experts' BF16 elements, or (``mxfp8``) their FP8 bytes plus each expert's packed
+    scales. (The layer's weights before or after ``fully_shard``: their shape is the layer's
+    experts either way.)"""
+    total = 0
+    for name in WRAPPED_PARAMS:
+        e, n, k = getattr(layer, name).shape
+        per_expert = (n * k + expert_scale_stride(n, k // BLOCK_SIZE)) if mxfp8 else 2 * n * k
+        total += e // shard_size * per_expert
+    return total
 
 
 class AllGatherBytes:

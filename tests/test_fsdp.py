@@ -26,7 +26,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from moe_mxfp8.kernels import mx_format
 
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import dcp as DCP
@@ -197,18 +196,6 @@ def _sharded_model(device, ws, recipe, mxfp8: bool, ep: bool, state, master: boo
     return model, layer, counter
 
 
-def _expert_gather_bytes(layer, shard_size: int, mxfp8: bool) -> int:
-    """Bytes one rank sends for the layer's expert weights in one all-gather: its experts' BF16
-    elements, or their FP8 bytes plus each expert's packed scales."""
-    total = 0
-    for name in FM.WRAPPED_PARAMS:
-        e, n, k = getattr(layer, name).shape  # the FSDP DTensor: the layer's (local) experts
-        per_expert = (n * k + mx_format.expert_scale_stride(n, k // mx_format.BLOCK_SIZE)
-                      if mxfp8 else 2 * n * k)
-        total += e // shard_size * per_expert
-    return total
-
-
 def check_mxfp8_all_gather(rank: int, ws: int, seed: int, device: str, path: str) -> None:
     """``mxfp8_all_gather=True`` against the BF16 all-gather: the same outputs, gradients, step
     and next step bit for bit (1x128 and 32x32 recipes; FSDP alone and FSDP x EP 1 x 2 at world
@@ -248,7 +235,7 @@ def _check_mxfp8_all_gather(rank: int, ws: int, seed: int, device: str, path: st
             assert all(torch.equal(g0[k], g1[k]) for k in g0), recipe
         assert all(torch.equal(want_sd[k], got_sd[k]) for k in want_sd), recipe
         # two steps of (forward + backward) all-gathers of the layer's unit
-        per_gather = [_expert_gather_bytes(layer, shard_size, m) for m in (False, True)]
+        per_gather = [FM.expert_gather_bytes(layer, shard_size, m) for m in (False, True)]
         if shard_size == 1:  # FSDP2 gathers nothing on one rank
             assert bf16_sent == mx_sent == 0, (bf16_sent, mx_sent)
             continue
