@@ -7,6 +7,7 @@ BF16 twin's kernel.
     python -m benchmarks.bench_rowkernels [--shapes mixtral,dsv3]
         [--kernels swiglu,dispatch,combine] [--variants all|NAME,...]
         [--module moe_mxfp8.kernels.datapath_triton] [--parts] [--once]
+        [--quantizer-tunings "4,3 2,3"]
 
 ``--variants``: the named tilings of `VARIANTS` to time (those a kernel cannot take are
 skipped); ``--module``: a copy of the kernel module to time instead (a diagnostic variant).
@@ -82,8 +83,45 @@ def make_inputs(name: str, align: int = 16) -> dict:
             "o_2h": ST._outputs(m, 2 * hh, e, True, True, False, h)}
 
 
+def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> None:
+    """The quantized SwiGLU stage on the CuTeDSL quantizer tile (`kernels.quantize`, the SwiGLU
+    sources `stages` runs), 1x128 and 1x32 blocks, both copies, into preallocated outputs;
+    ``tunings``: other ``(load_batch, ctas_per_sm)`` than `quantize_launch.SWIGLU_TUNING`'s
+    to time too (1x128)."""
+    from moe_mxfp8.kernels import quantize_launch as QL
+
+    h, da, src, offs, m, hh, e = (z[n] for n in ("h", "da", "src", "offs", "m", "hh", "e"))
+    src = src.to(torch.int32)
+    f = hh if kern == "swiglu_fwd" else 2 * hh
+    o = ST._outputs(m, f, e, True, True, False, h)
+    out = {"q_row": o["qrow"].view(torch.float8_e4m3fn), "s_row": o["srow"],
+           "q_col": o["qcol"].view(torch.float8_e4m3fn), "s_col": o["scol"]}
+    for ablk, tuning in [(128, None), (32, None)] + [(128, t) for t in tunings]:
+        if kern == "swiglu_fwd":
+            def fn(ablk=ablk, tuning=tuning):
+                QL.quantize_swiglu(h, src, offs, act_block=ablk, aligned_groups=True, out=out,
+                                   tuning=tuning)
+        else:
+            def fn(ablk=ablk, tuning=tuning):
+                QL.quantize_swiglu_grad(da, h, src, offs, act_block=ablk, aligned_groups=True,
+                                        out=out, tuning=tuning)
+        fn()  # compile outside the timing
+        what = "shipped" if tuning is None else "load_batch {} ctas/SM {}".format(*tuning)
+        _line(name, kern, f"quantizer tile (CuTeDSL), 1x{ablk}, {what}", _ms(fn), nbytes)
+    # the Triton kernel of the 1x32 blocks (its 32-row blocks), same outputs
+    tbl32 = RT.block_table(offs, m, 32)
+    K = ST._triton_kernels()
+    if kern == "swiglu_fwd":
+        def triton32():
+            K.swiglu_fwd(h, src, tbl32, o, 32, True)
+    else:
+        def triton32():
+            K.swiglu_bwd(da, h, src, tbl32, o, 32, True)
+    _line(name, kern, "Triton kernel, 1x32 (32-row blocks)", _ms(triton32), nbytes)
+
+
 def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = False,
-          names: list[str] | None = None) -> None:
+          names: list[str] | None = None, tunings=()) -> None:
     """Every setting of ``kinds`` at shape ``name`` (``names``: only these `VARIANTS`), the
     shipped setting restored after (``once``: instead, each kernel of ``kinds`` and its BF16
     twin launched once, for profilers)."""
@@ -138,6 +176,8 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
                   src_t.numel() * 4)
             if twin is not None:
                 _line(name, kern, "BF16 twin's kernel", _ms(twin), twin_bytes)
+            if kind == "swiglu":
+                _quantizer_lines(name, kern, z, nbytes, tunings)
             table = K.ROW_TILING[kern]
             shipped = table[128]
             try:
@@ -159,6 +199,9 @@ def main():
     ap.add_argument("--parts", action="store_true",
                     help="also the shipped SwiGLU tiling with one kind of output at a time")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel (profilers)")
+    ap.add_argument("--quantizer-tunings", default="",
+                    help="SwiGLU on the quantizer tile at these 'load_batch,ctas_per_sm' too "
+                         "(space-separated pairs)")
     args = ap.parse_args()
     names = None if args.variants == "all" else args.variants.split(",")
     if names and (bad := [n for n in names if n not in VARIANTS]):
@@ -166,7 +209,8 @@ def main():
     K = importlib.import_module(args.module)
     torch.manual_seed(0)
     for name in args.shapes.split(","):
-        sweep(K, name, args.kernels.split(","), args.parts, args.once, names)
+        sweep(K, name, args.kernels.split(","), args.parts, args.once, names,
+              [tuple(map(int, p.split(","))) for p in args.quantizer_tunings.split()])
 
 
 if __name__ == "__main__":

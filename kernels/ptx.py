@@ -146,3 +146,89 @@ def f16_to_f32_bits(word, half: int, *, loc=None, ip=None):
         f"cvt.f32.f16 f, {sel};\nmov.b32 $0, f;\n}}",
         "=r,r", False, loc, ip,
     ))
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU arithmetic, bit for bit PyTorch's BF16 `F.silu(gate) * up` and its autograd
+# ---------------------------------------------------------------------------------------------
+
+# ``den = 1 + exp(-g)`` for fp32 ``g`` in register ``g``, into ``den``: libdevice's ``expf``
+# (the one PyTorch's CUDA silu calls; its range reduction, 2^j from the exponent bits and
+# ``ex2.approx``) with the final ``2^j * ex2`` fused into the ``+ 1`` -- the instruction sequence
+# Triton emits for ``1.0 + libdevice.exp(-g)``, which the data path's GPU tests hold bit-equal to
+# PyTorch's. Registers it uses: t, m, n, p, q, e (f32) and j (b32).
+_ONE_PLUS_EXP_NEG = (
+    "sub.rn.f32 t, 0f00000000, g;\n"
+    "fma.rn.ftz.f32 m, t, 0f3BBB989D, 0f3F000000;\n"
+    "cvt.ftz.sat.f32.f32 m, m;\n"
+    "fma.rm.ftz.f32 n, m, 0f437C0000, 0f4B400001;\n"
+    "add.rn.f32 p, n, 0fCB40007F;\n"
+    "neg.f32 p, p;\n"
+    "fma.rn.ftz.f32 q, t, 0f3FB8AA3B, p;\n"
+    "fma.rn.ftz.f32 q, t, 0f32A57060, q;\n"
+    "mov.b32 j, n;\n"
+    "shl.b32 j, j, 23;\n"
+    "mov.b32 e, j;\n"
+    "ex2.approx.ftz.f32 q, q;\n"
+    "fma.rn.f32 den, q, e, 0f3F800000;\n"
+)
+_SWIGLU_REGS = ".reg .f32 g, u, d, t, m, n, p, q, e, den, s, r;\n.reg .b32 j;\n"
+
+
+@dsl_user_op
+def swiglu_bf16x2(g_word, u_word, *, loc=None, ip=None):
+    """Two BF16 ``silu(gate) * up`` (one 32-bit word, low half first) from the words of two
+    gate and two up BF16 values: silu in fp32 (``g / (1 + exp(-g))``, IEEE division) rounded to
+    BF16, the product of two BF16 values (exact in fp32) rounded to BF16."""
+    half = (
+        "mov.b32 g, {z, gh%(i)d};\nmov.b32 u, {z, uh%(i)d};\n" + _ONE_PLUS_EXP_NEG
+        + "div.rn.f32 s, g, den;\ncvt.rn.bf16.f32 sb, s;\nmov.b32 s, {z, sb};\n"
+        "mul.rn.f32 r, s, u;\ncvt.rn.bf16.f32 o%(i)d, r;\n"
+    )
+    return Int32(_asm(
+        T.i32(), [Int32(g_word), Int32(u_word)],
+        "{\n" + _SWIGLU_REGS + ".reg .b16 z, sb, gh0, gh1, uh0, uh1, o0, o1;\n"
+        "mov.b16 z, 0;\nmov.b32 {gh0, gh1}, $1;\nmov.b32 {uh0, uh1}, $2;\n"
+        + half % {"i": 0} + half % {"i": 1} + "mov.b32 $0, {o0, o1};\n}",
+        "=r,r,r", False, loc, ip,
+    ))
+
+
+# dup = bf16(dA * bf16(silu(g))), from ``s`` = silu(g) in fp32, into ``ou``
+_DUP = "cvt.rn.bf16.f32 sb, s;\nmov.b32 r, {z, sb};\nmul.rn.f32 r, d, r;\ncvt.rn.bf16.f32 ou, r;\n"
+# dgate = bf16(sig * bf16(dA * up) * fma(1 - sig, g, 1)), from ``s`` = sig, into ``og``
+_DGATE = (
+    "mul.rn.f32 r, u, d;\ncvt.rn.bf16.f32 sb, r;\nmov.b32 r, {z, sb};\n"
+    "mul.rn.f32 r, s, r;\nsub.rn.f32 t, 0f3F800000, s;\nfma.rn.f32 t, t, g, 0f3F800000;\n"
+    "mul.rn.f32 r, r, t;\ncvt.rn.bf16.f32 og, r;\n"
+)
+
+
+@dsl_user_op
+def swiglu_grad_bf16x2(g_word, u_word, da_word, half, *, loc=None, ip=None):
+    """Two BF16 elements of ``dgate`` or ``dup`` from the words of gate, up and dA, as
+    PyTorch's autograd of `F.silu(gate) * up` in BF16 computes them: ``dup = bf16(dA *
+    bf16(silu(g)))``; ``dgate = bf16(sig * bf16(dA * up) * (1 + g * (1 - sig)))`` with ``sig =
+    1 / (1 + exp(-g))`` (its CUDA silu_backward, the inner ``1 + ...`` one fma).
+
+    ``half``: ``"gate"`` or ``"up"`` (static: only that element's arithmetic; ``u_word`` is
+    unused for ``"up"``), or an ``Int32`` that is nonzero for dup (both computed, one kept:
+    tiles that straddle the halves). One division either way: ``g / den`` or ``1 / den``."""
+    static = isinstance(half, str)
+    num = {"gate": "mov.f32 s, 0f3F800000;\n", "up": "mov.f32 s, g;\n"}.get(
+        half if static else "", "selp.f32 s, g, 0f3F800000, up;\n")
+    body = {"gate": _DGATE + "mov.b16 o%(i)d, og;\n", "up": _DUP + "mov.b16 o%(i)d, ou;\n"}.get(
+        half if static else "", _DUP + _DGATE + "selp.b16 o%(i)d, ou, og, up;\n")
+    elem = (
+        "mov.b32 g, {z, gh%(i)d};\nmov.b32 u, {z, uh%(i)d};\nmov.b32 d, {z, dh%(i)d};\n"
+        + _ONE_PLUS_EXP_NEG + num + "div.rn.f32 s, s, den;\n" + body
+    )
+    return Int32(_asm(
+        T.i32(), [Int32(g_word), Int32(u_word), Int32(da_word), Int32(0 if static else half)],
+        "{\n" + _SWIGLU_REGS + ".reg .pred up;\n"
+        ".reg .b16 z, sb, ou, og, gh0, gh1, uh0, uh1, dh0, dh1, o0, o1;\n"
+        "setp.ne.b32 up, $4, 0;\nmov.b16 z, 0;\nmov.b32 {gh0, gh1}, $1;\n"
+        "mov.b32 {uh0, uh1}, $2;\nmov.b32 {dh0, dh1}, $3;\n"
+        + elem % {"i": 0} + elem % {"i": 1} + "mov.b32 $0, {o0, o1};\n}",
+        "=r,r,r,r,r", False, loc, ip,
+    ))

@@ -85,10 +85,13 @@ from .ptx import (
     st_global_u8,
     st_shared,
     st_shared_pred,
+    swiglu_bf16x2,
+    swiglu_grad_bf16x2,
 )
 from .quantize_config import (
     ACT_BLOCKS,
     ELEM_BYTES,
+    SOURCES,
     TILE_BLOCK_ROWS,
     TILE_FEATURES,
     TILE_TOKENS,
@@ -98,6 +101,8 @@ from .quantize_config import (
 )
 
 THREADS = 256
+SM90_MAX_SMEM_PER_SM = 228 * 1024  # sm_90 and sm_100: the most shared memory an SM gives
+SMEM_PER_CTA_RESERVED = 1024  # the driver's shared memory per CTA
 STAGE_ROW_BYTES = TILE_TOKENS + 16  # transposed staging row, padded by 16 B against conflicts
 SUBTILES = (TILE_TOKENS // F.BLOCK_SIZE) * F.TILE_BLOCKS  # 32x32 sub-tiles of a CTA tile: 16
 
@@ -174,7 +179,10 @@ class TileQuantizer:
         self.col128 = config.cols and act128
         # lanes that share one rowwise amax: a 32-block's, or (1x128) the whole tile row's
         self.row_lanes = self.vecs_per_row if act128 else self.lanes_per_block
-        self.needs_smem = config.cols or self.tiled
+        # dh tiles of one half each (H a multiple of the tile): one half's arithmetic a CTA
+        self.split_halves = (config.source == "swiglu_grad"
+                             and (config.k // 2) % TILE_FEATURES == 0)
+        self.needs_smem = config.cols or self.tiled or self.split_halves
         tile_bytes = TILE_TOKENS * self.row_bytes
         stage_bytes = TILE_FEATURES * STAGE_ROW_BYTES
         self.amax_offset = max(tile_bytes, stage_bytes)  # staging aliases the input tile
@@ -211,25 +219,51 @@ class TileQuantizer:
             return "32x32 / 128x128 scale tiles are for expert weights (uniform groups)"
         if c.grouping == "uniform" and c.act_block != F.BLOCK_SIZE:
             return "expert weights choose their scale tiles with block_rows, not act_block"
+        if c.source not in SOURCES:
+            return f"source {c.source!r} unknown {SOURCES}"
+        if c.source != "x" and (c.dtype != "bfloat16" or c.grouping == "uniform"):
+            return "the SwiGLU sources take BF16 activations (not weights)"
+        if c.load_batch not in (1, 2, 4, 8):
+            return f"load_batch {c.load_batch} must divide the 8 vectors a thread loads"
+        if c.ctas_per_sm < 0:
+            return f"ctas_per_sm must be >= 0, got {c.ctas_per_sm}"
+        if c.source != "x" and c.k % F.BLOCK_SIZE:
+            # whole 16-byte vectors of gate / up / dA (and, for dh, none across the halves)
+            return f"SwiGLU outputs need a multiple of 32 features, got {c.k}"
         return None
 
     # ---- host side --------------------------------------------------------------------------
 
     @cute.jit
     def __call__(
-        self, x: cute.Pointer, q_row: cute.Pointer, s_row: cute.Pointer, q_col: cute.Pointer,
-        s_col: cute.Pointer, offs: cute.Pointer, tile_ends: cute.Pointer, m: Int32,
-        n_groups: Int32, search_steps: Int32, n_vtiles: Int32, stream,
+        self, x: cute.Pointer, aux: cute.Pointer, src: cute.Pointer, q_row: cute.Pointer,
+        s_row: cute.Pointer, q_col: cute.Pointer, s_col: cute.Pointer, offs: cute.Pointer,
+        tile_ends: cute.Pointer, m: Int32, n_groups: Int32, search_steps: Int32,
+        n_vtiles: Int32, stream,
     ):
+        """``x``: the input (``h`` for the SwiGLU sources); ``aux``: ``dA`` ("swiglu_grad");
+        ``src``: the layout's source pair of each row (SwiGLU sources; -1 on pad rows)."""
         self.kernel(
-            x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, search_steps, n_vtiles,
+            x, aux, src, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, search_steps,
+            n_vtiles,
         ).launch(
             # One linear grid dimension (limit 2^31 - 1 CTAs; grid y stops at 65535, i.e. at
             # 8.4M tokens): CTA i takes feature tile i % feat_tiles of token tile i // feat_tiles,
             # the order a (feat_tiles, n_vtiles) grid would run them in.
             grid=[n_vtiles * self.feat_tiles, 1, 1], block=[THREADS, 1, 1],
             smem=self.smem_bytes, stream=stream,
+            # 0: as many CTAs an SM as the registers the compiler picks allow
+            min_blocks_per_mp=self.cfg.ctas_per_sm, preferred_smem_carveout=self.carveout(),
         )
+
+    def carveout(self) -> int | None:
+        """Shared memory share (% of the SM's most) for ``ctas_per_sm`` CTAs, None below 2 (the
+        driver's choice); given, so that the compile needs no device to look the SM up."""
+        n = self.cfg.ctas_per_sm
+        if n < 2:
+            return None
+        per_cta = self.smem_bytes + SMEM_PER_CTA_RESERVED
+        return min(100, -(-100 * n * per_cta // SM90_MAX_SMEM_PER_SM))
 
     # ---- device side ------------------------------------------------------------------------
 
@@ -278,9 +312,10 @@ class TileQuantizer:
 
     @cute.kernel
     def kernel(
-        self, x: cute.Pointer, q_row: cute.Pointer, s_row: cute.Pointer, q_col: cute.Pointer,
-        s_col: cute.Pointer, offs: cute.Pointer, tile_ends: cute.Pointer, m: Int32,
-        n_groups: Int32, search_steps: Int32, n_vtiles: Int32,
+        self, x: cute.Pointer, aux: cute.Pointer, src: cute.Pointer, q_row: cute.Pointer,
+        s_row: cute.Pointer, q_col: cute.Pointer, s_col: cute.Pointer, offs: cute.Pointer,
+        tile_ends: cute.Pointer, m: Int32, n_groups: Int32, search_steps: Int32,
+        n_vtiles: Int32,
     ):
         c = self.cfg
         tid, _, _ = cute.arch.thread_idx()
@@ -291,11 +326,29 @@ class TileQuantizer:
             offs, tile_ends, m, n_groups, search_steps, n_vtiles, t
         )
         feat0 = bx * TILE_FEATURES
-        words = self.load_tile(x, tok_begin, n_valid, feat0, tid)
         smem = Int32(0)
         if const_expr(self.needs_smem):
             smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
-            self.stash_tile(smem, words, tid)
+        words = []
+        if const_expr(c.source == "x"):
+            words = self.load_tile(x, tok_begin, n_valid, feat0, tid)
+            if const_expr(self.needs_smem):
+                self.stash_tile(smem, words, tid)
+        elif const_expr(self.split_halves):
+            # a dh tile is all dgate or all dup: the CTA computes only its half's arithmetic,
+            # its words leave each branch through shared memory (stashed as for any tile) and
+            # come back to the registers they were stashed from
+            if feat0 >= c.k // 2:
+                self.stash_tile(smem, self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0,
+                                                       tid, "up"), tid)
+            else:
+                self.stash_tile(smem, self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0,
+                                                       tid, "gate"), tid)
+            words = self.unstash_tile(smem, tid)
+        else:
+            words = self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0, tid, None)
+            if const_expr(self.needs_smem):
+                self.stash_tile(smem, words, tid)
         if const_expr(c.rows and not self.tiled):
             self.rows_phase(q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid)
         if const_expr(self.needs_smem):
@@ -342,12 +395,73 @@ class TileQuantizer:
         return [vals[2 * j] | (vals[2 * j + 1] << 16) for j in range(4)]
 
     @cute.jit
+    def swiglu_tile(self, h, da, src, tok_begin, n_valid, feat0, tid, half):
+        """The tile's BF16 words of ``a = silu(gate) * up`` ("swiglu") or of ``dh = [dgate |
+        dup]`` ("swiglu_grad"), in `load_tile`'s order, from ``h = [gate | up]`` (and ``dA``):
+        the same arithmetic as PyTorch's BF16 ops (`ptx.swiglu_bf16x2`), zero on pad rows.
+        ``half`` (dh): ``"gate"`` / ``"up"`` for a tile of one half, None for one that
+        straddles them (each vector picks its own).
+
+        The loads of ``load_batch`` vectors go out before their arithmetic: enough bytes in
+        flight, without holding all of the tile's inputs (2-3x its output) in registers."""
+        c = self.cfg
+        grad = c.source == "swiglu_grad"
+        hidden = c.k // 2 if grad else c.k  # H: the width of gate, up and dA
+        h_base, da_base, src_base = h.toint(), da.toint(), src.toint()
+        words = []
+        batch = c.load_batch
+        for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, batch):
+            loads = []
+            for it in cutlass.range_constexpr(b0, b0 + batch):
+                r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
+                feat = feat0 + (tid % self.vecs_per_row) * self.vec_elems
+                tok = Int64(tok_begin) + r
+                in_tile = Int32(r < n_valid) & Int32(feat < c.k)
+                ok = in_tile & Int32(ld_global_b32(src_base + tok * 4, in_tile, -1) >= 0)
+                # dh's feature f < H is dgate of gate feature f, else dup of feature f - H
+                is_up = Int32(0)
+                if const_expr(grad and half is None):
+                    is_up = Int32(feat >= hidden)
+                if const_expr(half == "up"):
+                    is_up = Int32(1)
+                f = feat - is_up * hidden
+                row = h_base + (tok * (2 * hidden) + f) * 2
+                g = ld_global_v4(row, ok)
+                u = [Int32(0)] * 4
+                if const_expr(half != "up"):  # dup does not read up
+                    u = ld_global_v4(row + hidden * 2, ok & (1 - is_up))
+                d = [Int32(0)] * 4
+                if const_expr(grad):
+                    d = ld_global_v4(da_base + (tok * hidden + f) * 2, ok)
+                loads.append((g, u, d, is_up))
+            for li in cutlass.range_constexpr(len(loads)):
+                g, u, d, is_up = loads[li]
+                for j in cutlass.range_constexpr(4):
+                    if const_expr(grad):
+                        words.append(swiglu_grad_bf16x2(g[j], u[j], d[j],
+                                                        is_up if half is None else half))
+                    else:
+                        words.append(swiglu_bf16x2(g[j], u[j]))
+        return words
+
+    @cute.jit
     def stash_tile(self, smem, words, tid):
         """Row-major copy of the tile in shared memory (a warp stores 512 contiguous bytes)."""
         for it in cutlass.range_constexpr(self.vecs_per_thread):
             r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
             vec = tid % self.vecs_per_row
             st_shared(smem + r * self.row_bytes + vec * VEC_BYTES, words[4 * it: 4 * it + 4])
+
+    @cute.jit
+    def unstash_tile(self, smem, tid):
+        """This thread's words of the tile back from `stash_tile`'s copy (its own stores: no
+        barrier needed)."""
+        words = []
+        for it in cutlass.range_constexpr(self.vecs_per_thread):
+            r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
+            vec = tid % self.vecs_per_row
+            words.extend(ld_shared_v4(smem + r * self.row_bytes + vec * VEC_BYTES))
+        return words
 
     @cute.jit
     def rows_phase(self, q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid):
@@ -612,6 +726,15 @@ class DualQuantizer(TileQuantizer):
         super().__init__(config)
 
 
+class SwigluQuantizer(TileQuantizer):
+    """The data path's SwiGLU (forward: ``a`` of ``h``; backward: ``dh`` of ``dA`` and ``h``)
+    computed in the tile's load and quantized like `DualQuantizer` (either output or both)."""
+
+    def __init__(self, config: QuantConfig):
+        assert config.source != "x"
+        super().__init__(config)
+
+
 class WeightQuantizer(TileQuantizer):
     """Expert weights ``(E, N, K)``: axis K = rows of ``(E*N, K)`` in groups of N; axis N =
     columns, each expert's ``(K, N)`` contiguous; either or both from one read; optional
@@ -627,6 +750,8 @@ KERNEL_CLASSES = {
     "quantize_colwise": ColwiseQuantizer,
     "quantize_dual": DualQuantizer,
     "quantize_weights": WeightQuantizer,
+    "quantize_swiglu": SwigluQuantizer,
+    "quantize_swiglu_grad": SwigluQuantizer,
 }
 
 
@@ -640,7 +765,7 @@ def build_quantizer(op: str, config: QuantConfig, stream=None):
     in_t = TORCH_TO_CUTLASS[TORCH_DTYPES[config.dtype]]
     f8, u8, i32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32
     args = [make_ptr(t, 0, AddressSpace.gmem, assumed_align=16)
-            for t in (in_t, f8, u8, f8, u8, i32, i32)]
+            for t in (in_t, in_t, i32, f8, u8, f8, u8, i32, i32)]
     if stream is None and torch.cuda.is_available():
         stream = current_stream(torch.cuda.current_device())
     stream = cu_stream(stream) if stream is not None else cute.runtime.make_fake_stream()

@@ -18,6 +18,7 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
 ACT_BLOCKS = tuple(sorted(set(F.ACT_BLOCK.values())))  # 32, 128
 TILE_BLOCK_ROWS = tuple(sorted(set(F.WEIGHT_BLOCK_ROWS.values())))  # 1, 32, 128
+SOURCES = ("x", "swiglu", "swiglu_grad")  # QuantConfig.source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,13 @@ class QuantConfig:
     block_rows: weights' scale tiles, 1 (1x32 blocks), 32 (32x32) or 128 (128x128);
     col_aligned: every colwise output segment starts on 16 bytes (no offs, tokens per group
     % 16 == 0) -> 16-byte stores instead of shifted words; act_block: activations' block length
-    along the reduced axis, 32 (MXFP8) or 128 (the 1x128 recipe; rows and columns alike).
+    along the reduced axis, 32 (MXFP8) or 128 (the 1x128 recipe; rows and columns alike);
+    source: what the tile holds -- "x" (the input itself), "swiglu" (BF16 ``silu(gate) * up``
+    of ``h = [gate | up] (M, 2k)``, k = H) or "swiglu_grad" (BF16 ``dh = [dgate | dup] (M, k)``
+    of ``dA (M, k/2)`` and ``h (M, k)``, k = 2H): the data path's SwiGLU fused with its
+    quantization (rows whose ``src`` entry is negative, the layout's pad rows, are zeros);
+    load_batch: the SwiGLU sources' 16-byte vectors per input loaded ahead of their arithmetic
+    (1, 2, 4, 8); ctas_per_sm: CTAs an SM the compiler must fit (a register cap; 0: its choice).
     """
 
     dtype: str
@@ -46,3 +53,6 @@ class QuantConfig:
     block_rows: int = 1
     col_aligned: bool = False
     act_block: int = F.BLOCK_SIZE
+    source: str = "x"
+    load_batch: int = 4
+    ctas_per_sm: int = 0

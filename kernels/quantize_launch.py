@@ -21,6 +21,12 @@ from .quantize_config import DTYPE_NAMES, TILE_FEATURES, VEC_BYTES, QuantConfig
 
 _cache = CompileCache("quantize", cute=True)
 
+# (load_batch, ctas_per_sm) of the SwiGLU sources: 3 CTAs an SM (80 registers, no spills) and
+# 2 vectors an input ahead -- the fastest of batches 2, 4, 8 at 2, 3, 4 CTAs an SM at the
+# mixtral, dsv3 and qwen3 shapes (H100, 2026-11-27, `benchmarks.bench_rowkernels
+# --quantizer-tunings`; 3 CTAs: 1.13-1.17x 2, 4 CTAs spill)
+SWIGLU_TUNING = {"swiglu": (2, 3), "swiglu_grad": (2, 3)}
+
 
 def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None, stream=None):
     """Compile (cached per op, config and arch) and return the callable; M stays symbolic.
@@ -58,7 +64,7 @@ def _group_tables(offs: torch.Tensor | None, m: int):
 
 
 def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, steps,
-            n_vtiles):
+            n_vtiles, aux=None, src=None):
     ctas = n_vtiles * F.ceil_div(config.k, TILE_FEATURES)
     if ctas == 0:  # no tokens and no pad tiles, or K == 0: every output is empty
         return
@@ -73,8 +79,9 @@ def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_gro
     with on_device(x.device):  # the operands' GPU and its stream, whichever is current
         stream = current_stream(x.device)
         fn = compile_quantizer(op, config, launch_arch(x.device), stream)
-        fn(p(x, config.dtype), p(q_row, f8), p(s_row, u8), p(q_col, f8), p(s_col, u8),
-           p(offs, i32), p(tile_ends, i32), m, n_groups, steps, n_vtiles, stream)
+        fn(p(x, config.dtype), p(aux, config.dtype), p(src, i32), p(q_row, f8), p(s_row, u8),
+           p(q_col, f8), p(s_col, u8), p(offs, i32), p(tile_ends, i32), m, n_groups, steps,
+           n_vtiles, stream)
 
 
 def _buffer(out, name, shape, dtype, device):
@@ -87,36 +94,48 @@ def _buffer(out, name, shape, dtype, device):
     return t
 
 
-def _alloc_outputs(x, offs, rows: bool, cols: bool, out=None):
-    """Row data/scales and col data/scales, by name."""
-    m, k = x.shape
+@functools.lru_cache(maxsize=256)
+def _activation_config(dtype: str, rounding: str, k: int, rows: bool, cols: bool, grouped: bool,
+                       col_aligned: bool, act_block: int, source: str, load_batch: int,
+                       ctas_per_sm: int) -> QuantConfig:
+    """An activation quantizer's configuration, made once per shape (see `_weights_config`)."""
+    return QuantConfig(dtype=dtype, rounding=rounding, k=k, rows=rows, cols=cols,
+                       grouping="offs" if grouped else "none", col_aligned=col_aligned,
+                       act_block=act_block, source=source, load_batch=load_batch,
+                       ctas_per_sm=ctas_per_sm)
+
+
+def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
+    """Row data/scales and col data/scales of an ``(m, k)`` tile source, by name."""
     g = 1 if offs is None else offs.numel()
     nb = k // F.BLOCK_SIZE
     res = {}
     if rows:
-        res["q_row"] = _buffer(out, "q_row", (m, k), torch.float8_e4m3fn, x.device)
+        res["q_row"] = _buffer(out, "q_row", (m, k), torch.float8_e4m3fn, device)
         nbytes = (F.packed_scale_bytes(m, nb) if offs is None
                   else F.grouped_rows_scale_bytes(m, nb, g))
-        res["s_row"] = _buffer(out, "s_row", (nbytes,), torch.uint8, x.device)
+        res["s_row"] = _buffer(out, "s_row", (nbytes,), torch.uint8, device)
     if cols:
-        res["q_col"] = _buffer(out, "q_col", (k, m), torch.float8_e4m3fn, x.device)
+        res["q_col"] = _buffer(out, "q_col", (k, m), torch.float8_e4m3fn, device)
         nbytes = (F.packed_scale_bytes(k, F.ceil_div(m, F.BLOCK_SIZE)) if offs is None
                   else F.grouped_k_scale_bytes(k, m, g))
-        res["s_col"] = _buffer(out, "s_col", (nbytes,), torch.uint8, x.device)
+        res["s_col"] = _buffer(out, "s_col", (nbytes,), torch.uint8, device)
     return res
 
 
-def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out):
-    m, k = x.shape
+def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out, source="x",
+                      k=None, aux=None, src=None, aligned_groups=False, tuning=(4, 0)):
+    """``x (M, K)`` (or, for the SwiGLU sources, ``h`` with ``k`` output features) quantized
+    by ``op``; ``aligned_groups``: every ``offs`` group starts on a multiple of 16 rows."""
+    m = x.shape[0]
+    k = x.shape[1] if k is None else k
     n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m)
-    bufs = _alloc_outputs(x, offs, rows, cols, out)
-    config = QuantConfig(
-        dtype=DTYPE_NAMES[x.dtype], rounding=rounding, k=k, rows=rows, cols=cols,
-        grouping="offs" if offs is not None else "none",
-        col_aligned=cols and offs is None and m % VEC_BYTES == 0, act_block=act_block,
-    )
+    bufs = _alloc_outputs(m, k, x.device, offs, rows, cols, out)
+    aligned = m % VEC_BYTES == 0 and (offs is None or aligned_groups)
+    config = _activation_config(DTYPE_NAMES[x.dtype], rounding, k, rows, cols,
+                                offs is not None, cols and aligned, act_block, source, *tuning)
     _launch(op, config, x, bufs.get("q_row"), bufs.get("s_row"), bufs.get("q_col"),
-            bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles)
+            bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles, aux, src)
     res = []
     if rows:
         res.append((bufs["q_row"], bufs["s_row"]))
@@ -149,6 +168,33 @@ def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
     """One read of ``x``: ((rowwise data, scales), (columnwise data, scales))."""
     row, col = _activation_quant("quantize_dual", x, rounding, offs, act_block, True, True, out)
     return row, col
+
+
+def quantize_swiglu(h: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, *,
+                    rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
+                    aligned_groups: bool = False, out: dict | None = None,
+                    tuning: tuple[int, int] | None = None) -> list:
+    """``a = silu(gate) * up`` of ``h = [gate | up] (M, 2H)`` (BF16, PyTorch's roundings; zero
+    where ``src < 0``) quantized in the same pass, rows grouped by ``offs``: [(rowwise data,
+    scales)] and/or [(columnwise data, scales)] -- `moe_mxfp8.stages.swiglu_ref`'s MXFP8
+    copies. ``aligned_groups``: every group starts on a multiple of 16 rows; ``tuning``:
+    ``(load_batch, ctas_per_sm)`` of `QuantConfig` (default `SWIGLU_TUNING`'s)."""
+    return _activation_quant("quantize_swiglu", h, "rceil", offs, act_block, rows, cols, out,
+                             "swiglu", h.shape[1] // 2, None, src, aligned_groups,
+                             tuning or SWIGLU_TUNING["swiglu"])
+
+
+def quantize_swiglu_grad(da: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
+                         offs: torch.Tensor, *, rows: bool = True, cols: bool = True,
+                         act_block: int = F.BLOCK_SIZE, aligned_groups: bool = False,
+                         out: dict | None = None, tuning: tuple[int, int] | None = None
+                         ) -> list:
+    """``dh = [dgate | dup] (M, 2H)``, the gradient of `quantize_swiglu`'s ``a`` for ``dA (M,
+    H)`` (BF16, as PyTorch's autograd rounds it; zero where ``src < 0``), quantized in the same
+    pass: `moe_mxfp8.stages.swiglu_backward_ref`'s MXFP8 copies."""
+    return _activation_quant("quantize_swiglu_grad", h, "rceil", offs, act_block, rows, cols,
+                             out, "swiglu_grad", h.shape[1], da, src, aligned_groups,
+                             tuning or SWIGLU_TUNING["swiglu_grad"])
 
 
 # one GEMM operand of the weight quantizer: (e4m3 data, packed scales), or None where not wanted

@@ -21,6 +21,9 @@ and its autograd, the BF16 combine product and its autograd), so the layer's num
 change. Every stage has a pure-PyTorch reference (``*_ref``, next to it; CPU and CI) and a
 Triton kernel (``moe_mxfp8.kernels.datapath_triton``, used on CUDA when Triton is installed: an
 optional GPU dependency); the GPU tests check the kernels bit for bit against the references.
+The quantized SwiGLU stages run instead as a source of the CuTeDSL quantizer tile
+(`kernels.quantize`, ``source="swiglu"`` / ``"swiglu_grad"``) wherever the quantizer kernels run
+(`QUANTIZER_SWIGLU_BLOCKS`; docs/design/datapath.md says why).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from torch import Tensor
 
 from . import layout as L
 from . import reference as R
-from .backend import _warn_once
+from .backend import _warn_once, cutedsl_available, kernel_backend_for
 from .config import check_scale_blocks
-from .kernels.mx_format import ACT_BLOCK
+from .kernels.grouped_gemm.problem import kernel_offs
+from .kernels.mx_format import ACT_BLOCK, BLOCK_128, BLOCK_SIZE
 from .mx_tensor import FP8, MXFP8Tensor
 from .routing import block_table, check_layout, numel_of
 
@@ -69,6 +73,41 @@ def use_triton(t: Tensor, backend: str) -> bool:
                    "combine) runs its PyTorch reference on the GPU (pip install 'moe_mxfp8[gpu]')")
         return False
     return True
+
+
+# Activation block lengths whose quantized SwiGLU stages run on the CuTeDSL quantizer tile (one
+# 128-token x 128-feature tile a CTA at ~100 registers, 2 CTAs an SM) instead of the Triton
+# kernels (one 128 x 128 tile at 204-255 registers for 1x128); docs/design/datapath.md.
+QUANTIZER_SWIGLU_BLOCKS = frozenset({BLOCK_SIZE, BLOCK_128})
+
+
+def _swiglu_on_quantizer(h: Tensor, ablk: int, quantized: bool, keep_bf16: bool) -> bool:
+    """Whether a SwiGLU stage runs as the quantizer's SwiGLU source: MXFP8 outputs only (the
+    BF16 value is the Triton kernel's), BF16 ``h``, and quantizer kernels for this GPU."""
+    return (quantized and not keep_bf16 and ablk in QUANTIZER_SWIGLU_BLOCKS
+            and h.dtype == BF16 and kernel_backend_for(h.device) is not None
+            and cutedsl_available())
+
+
+def _quantizer():
+    from .kernels import quantize_launch  # noqa: PLC0415 (CuTeDSL-free; GPU only)
+
+    return quantize_launch
+
+
+def _int32(src: Tensor) -> Tensor:
+    """``src`` as the quantizer reads it: dense int32 (the layout allows int64 too)."""
+    return src.to(torch.int32).contiguous()
+
+
+def _quantizer_outputs(res: list, qrow: bool, qcol: bool) -> dict:
+    """The quantizer's ``[(data, scales), ...]`` (rowwise first) as `_wrap`'s outputs."""
+    outs, res = {}, list(res)
+    if qrow:
+        outs["qrow"], outs["srow"] = res.pop(0)
+    if qcol:
+        outs["qcol"], outs["scol"] = res.pop(0)
+    return outs
 
 
 def _outputs(m: int, f: int, e: int, qrow: bool, qcol: bool, keep_bf16: bool, like: Tensor):
@@ -208,6 +247,11 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
         return swiglu_ref(h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
                           scale_blocks=scale_blocks)
     h = h.contiguous()
+    if _swiglu_on_quantizer(h, ablk, qrow or qcol, keep_bf16):
+        res = _quantizer().quantize_swiglu(h, _int32(src), kernel_offs(offs), rows=qrow,
+                                           cols=qcol, act_block=ablk,
+                                           aligned_groups=aligned_groups)
+        return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, h.shape[1] // 2, offs.numel(), qrow, qcol, keep_bf16, h)
     _triton_kernels().swiglu_fwd(h, src.contiguous(), _table(table, offs, m, ablk), outs, ablk,
@@ -238,6 +282,11 @@ def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: b
         return swiglu_backward_ref(da, h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
                                    scale_blocks=scale_blocks)
     h, da = h.contiguous(), da.contiguous()
+    if _swiglu_on_quantizer(h, ablk, qrow or qcol, keep_bf16) and da.dtype == BF16:
+        res = _quantizer().quantize_swiglu_grad(da, h, _int32(src), kernel_offs(offs),
+                                                rows=qrow, cols=qcol, act_block=ablk,
+                                                aligned_groups=aligned_groups)
+        return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, h.shape[1], offs.numel(), qrow, qcol, keep_bf16, h)
     _triton_kernels().swiglu_bwd(da, h, src.contiguous(), _table(table, offs, m, ablk), outs, ablk,

@@ -77,6 +77,20 @@ COMPILE_SCRIPT = textwrap.dedent(
                 variants.append(("quantize_weights", C(
                     dt, rnd, 2048, True, True, grouping="uniform", group_rows=1536,
                     col_layout="experts", block_rows=br, col_aligned=True)))
+        if (dt, rnd) == ("bfloat16", "rceil"):  # the data path's SwiGLU on the tile
+            for ab, (src, k), grouped in itertools.product(
+                    (32, 128), (("swiglu", 2048), ("swiglu", 96), ("swiglu_grad", 4096),
+                                ("swiglu_grad", 192)), (True, False)):
+                op = "quantize_" + src
+                variants.append((op, C(dt, rnd, k, True, True, act_block=ab, source=src,
+                                       grouping="offs" if grouped else "none",
+                                       col_aligned=not grouped)))
+            variants.append(("quantize_swiglu_grad", C(dt, rnd, 4096, True, False,
+                                                       grouping="offs", source="swiglu_grad",
+                                                       act_block=128, load_batch=2,
+                                                       ctas_per_sm=3)))
+            variants.append(("quantize_swiglu", C(dt, rnd, 2048, False, True, grouping="offs",
+                                                  source="swiglu", ctas_per_sm=3)))
         for op, cfg in variants:
             Q.compile_quantizer(op, cfg)
             n += 1
@@ -92,7 +106,7 @@ def test_compile_all_variants(arch):
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled 156" in res.stdout
+    assert "compiled 174" in res.stdout
 
 
 SASS_SCRIPT = textwrap.dedent(
