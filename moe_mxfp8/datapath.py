@@ -315,9 +315,7 @@ def _backward(ctx, dout, *_unused):
     )
 
 
-torch.library.register_autograd(
-    "moe_mxfp8::routed_experts_fwd", _backward, setup_context=_setup_context
-)
+_routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # The routed-expert operators' pre-quantized weight arguments, per pass: forward reads the
 # weights along K, backward along N. Weights that arrive quantized (MXFP8 all-gathered under

@@ -99,7 +99,10 @@ def gpu_host_path():
     from moe_mxfp8.kernels import native, quantize_launch
     from moe_mxfp8.kernels.grouped_gemm import launcher
 
+    from moe_mxfp8.kernels.grouped_gemm import problem
+
     from moe_mxfp8 import backend as B
+    from moe_mxfp8 import checks
     from moe_mxfp8 import stages as ST
 
     dpt = _datapath_triton()
@@ -117,6 +120,9 @@ def gpu_host_path():
         (launcher, "_max_active_clusters", lambda index, size: 132),
         (torch.cuda, "current_device", lambda: 0),
         (torch, "_grouped_mm", _grouped_mm_stub),
+        # index and offs values are read only on the CPU (no device sync): as on a GPU, not here
+        (problem, "values_on_host", lambda t: False),
+        (checks, "values_on_host", lambda t: False),
     ]
     old = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
