@@ -97,9 +97,7 @@ def gpu_host_path():
     """The GPU host path on CPU tensors with every device launch a no-op (see the module doc).
     Restores everything on exit."""
     from moe_mxfp8.kernels import native, quantize_launch
-    from moe_mxfp8.kernels.grouped_gemm import launcher
-
-    from moe_mxfp8.kernels.grouped_gemm import problem
+    from moe_mxfp8.kernels.grouped_gemm import launcher, problem
 
     from moe_mxfp8 import backend as B
     from moe_mxfp8 import checks
