@@ -7,8 +7,9 @@ Runs `MXFP8MoE` forward + backward (both recipes and the BF16 twin) through exac
 GPU runs -- the Triton host wrappers of the data path (`kernels.datapath_triton`, imported
 against a stand-in ``triton`` whose kernels launch nothing), the quantizer and grouped GEMM
 launchers with their ctypes argument packing (`native.NativeKernel.__call__`, the C entry a
-no-op), the backend choice (``"auto"``, the GPU's answer stubbed), the operand checks, the
-custom ops and autograd -- on CPU tensors of the shape's widths (D, H, E, k) and a few tokens,
+no-op), the backend choice (``"auto"``, the GPU's answer stubbed), the operand checks (their
+value reads, which run only for CPU tensors, answered as on a GPU: skipped), the custom ops and
+autograd -- on CPU tensors of the shape's widths (D, H, E, k) and a few tokens,
 so that the torch ops' own CPU compute stays small (it still grows with the padded row count:
 the 1x128 recipe pads every group to 128 rows). ``torch._grouped_mm`` (the twin's GEMMs)
 returns an empty output.
