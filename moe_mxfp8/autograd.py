@@ -286,9 +286,7 @@ def _backward(ctx, grad_y, _grad_xt_data, _grad_xt_scale):
     )
 
 
-torch.library.register_autograd(
-    "moe_mxfp8::grouped_mm_fwd", _backward, setup_context=_setup_context
-)
+_grouped_mm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------

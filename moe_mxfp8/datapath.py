@@ -191,9 +191,7 @@ def _routed_experts_bwd(
     h = h.view(BF16)
     y = y.view(BF16)
     dout = dout.to(BF16).contiguous()
-    dx = _empty(dout, BF16)
-    dwgu = _empty(dout, BF16)
-    dwdn = _empty(dout, BF16)
+    dx = dwgu = dwdn = None  # as computed; `_results` returns the unneeded ones empty
     chain = need_dx or need_dw
     sb = scale_blocks if mx else "1x32"
     tbl = _step_table(dout, offs, src.numel(), sb, backend) if table is None else table
@@ -201,9 +199,8 @@ def _routed_experts_bwd(
         dout, y, src, rows, weights, offs, qrow=mx and chain, qcol=qcol,
         keep_bf16=(not mx and chain) or keep, need_dw=need_dweights, scale_blocks=sb,
         aligned_groups=mx, table=tbl, backend=backend)
-    dwts = _empty(dout, torch.float32) if dwts is None else dwts
     if not chain:
-        return dx, dwgu, dwdn, dwts
+        return _results(dout, dx, dwgu, dwdn, dwts)
     # The down projection's weight gradient right away, or after the gate/up GEMMs: whichever
     # keeps fewer bytes alive through them, its result (E, D, H) BF16 or its dY operand (M, D)
     # (FP8 columnwise, or BF16). Static sizes: at mixtral the operand is 7x smaller, at dsv3 4x
@@ -253,7 +250,14 @@ def _routed_experts_bwd(
             del dh
         if late:
             dwdn = torch._grouped_mm(dyb.t(), sa.view(BF16), offs=offs)
-    return dx, dwgu, dwdn, dwts
+    return _results(dout, dx, dwgu, dwdn, dwts)
+
+
+def _results(like: Tensor, dx, dwgu, dwdn, dwts) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`_routed_experts_bwd`'s results, an unneeded one (None) as an empty tensor."""
+    grads = (dx, dwgu, dwdn, dwts)
+    dtypes = (BF16, BF16, BF16, torch.float32)
+    return tuple(_empty(like, dt) if g is None else g for g, dt in zip(grads, dtypes, strict=True))
 
 
 @_routed_experts_bwd.register_fake
@@ -315,9 +319,7 @@ def _backward(ctx, dout, *_unused):
     )
 
 
-torch.library.register_autograd(
-    "moe_mxfp8::routed_experts_fwd", _backward, setup_context=_setup_context
-)
+_routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # The routed-expert operators' pre-quantized weight arguments, per pass: forward reads the
 # weights along K, backward along N. Weights that arrive quantized (MXFP8 all-gathered under

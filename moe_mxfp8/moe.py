@@ -537,7 +537,7 @@ class MXFP8MoE(nn.Module):
         if self.check_finite == "raise":
             bad = self.dispatcher.nonfinite_rows_or_raise(logits)
         else:
-            bad = ~torch.isfinite(logits).all(dim=-1)
+            bad = DS.nonfinite_rows(logits)
         self.nonfinite_tokens = bad.sum()
         return bad
 
@@ -568,7 +568,8 @@ class MXFP8MoE(nn.Module):
         # A non-finite token picks experts 0..k-1 (descending stand-in scores: no ties, so the
         # same experts on every backend; top-k of NaN scores is not specified) with NaN weights:
         # its own output is NaN, and no other token's rows or routing change.
-        stand_in = -torch.arange(self.num_experts, dtype=scores.dtype, device=scores.device)
+        stand_in = torch.arange(0, -self.num_experts, -1, dtype=scores.dtype,
+                                device=scores.device)
         expert_ids = torch.where(bad[:, None], stand_in, scores.detach()).topk(
             self.top_k, dim=-1).indices  # (T, k)
         weights = scores.gather(1, expert_ids)

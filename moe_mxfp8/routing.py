@@ -18,6 +18,7 @@ blocks (`moe_mxfp8.stages`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import checks as C
@@ -36,12 +37,16 @@ def route_layout(expert_ids: Tensor, counts: Tensor, align: int) -> tuple[Tensor
     t, k = expert_ids.shape
     m = t * k
     flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    sorted_ids, order = torch.sort(flat, stable=True)
     shift, m_pad, offs = _groups(counts, m, align)
-    rows_sorted = shift[flat[order]] + torch.arange(m, device=flat.device)
+    rows_sorted = torch.arange(m, device=flat.device)
+    if shift is None:  # no padding: each pair's row is its sorted position, src is the order
+        src = order
+    else:
+        rows_sorted = rows_sorted + shift[sorted_ids]
+        src = torch.full((m_pad,), -1, dtype=torch.int64, device=flat.device)
+        src = src.scatter_(0, rows_sorted, order)
     rows = torch.empty_like(order).scatter_(0, order, rows_sorted)
-    src = torch.full((m_pad,), -1, dtype=torch.int64, device=flat.device)
-    src = src.scatter_(0, rows_sorted, order)
     return rows.to(torch.int32).reshape(t, k), src.to(torch.int32), offs
 
 
@@ -57,7 +62,7 @@ def sorted_layout(counts: Tensor, m: int, align: int) -> tuple[Tensor, Tensor, T
     r = torch.arange(m, device=counts.device)
     # each row's expert: the first group that ends past it (empty groups end where they start)
     g = torch.searchsorted(torch.cumsum(counts.to(torch.int64), 0), r, right=True)
-    rows = shift[g] + r
+    rows = r if shift is None else shift[g] + r
     src = torch.full((m_pad,), -1, dtype=torch.int64, device=counts.device).scatter_(0, rows, r)
     return rows.to(torch.int32)[:, None], src.to(torch.int32), offs
 
@@ -67,18 +72,22 @@ def _check_align(who: str, align) -> None:
         raise ValueError(f"{who}: align must be a positive int, got {align!r}")
 
 
-def _groups(counts: Tensor, m: int, align: int) -> tuple[Tensor, int, Tensor]:
+def _groups(counts: Tensor, m: int, align: int) -> tuple[Tensor | None, int, Tensor]:
     """The padded groups of ``m`` sorted pairs, ``counts (E,)`` per expert: each group's shift
-    from its sorted position to its row (int64), the static extent ``M``, and ``offs`` (int32).
-    The last group absorbs the slack up to ``M``."""
+    from its sorted position to its row (int64; None for ``align`` 1: no padding, no shift),
+    the static extent ``M``, and ``offs`` (int32). The last group absorbs the slack up to ``M``."""
     counts = counts.to(torch.int64)
-    padded = (counts + align - 1) // align * align
-    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
     m_pad = padded_extent(m, counts.numel(), align)
-    # The last end is the static extent, built on the device (writing a Python int into a CUDA
+    shift = None
+    padded = counts
+    if align > 1:
+        padded = (counts + (align - 1)) // align * align
+        slack = padded - counts
+        shift = torch.cumsum(slack, 0) - slack  # the padding of the groups before
+    # The last end is the static extent, padded on the device (writing a Python int into a CUDA
     # tensor is a host->device copy, which syncs).
-    offs = torch.cat([torch.cumsum(padded, 0)[:-1], counts.new_full((1,), m_pad)])
-    return shift, m_pad, offs.to(torch.int32)
+    offs = F.pad(torch.cumsum(padded[:-1], 0, dtype=torch.int32), (0, 1), value=m_pad)
+    return shift, m_pad, offs
 
 
 def check_index(who: str, name: str, t, ndim: int, like: Tensor, lo: int = 0,
@@ -131,19 +140,21 @@ def block_table(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> Tensor:
     e = offs.numel()
     nb_bound = (m + (block - 1) * e) // block
     ends = offs.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    starts = F.pad(ends[:-1], (1, 0))
     sizes = ends - starts
-    nblk = (sizes + block - 1) // block
+    nblk = (sizes + (block - 1)) // block
     cum = torch.cumsum(nblk, 0)
-    tiles = (sizes + L.TILE_ROWS - 1) // L.TILE_ROWS
+    tiles = (sizes + (L.TILE_ROWS - 1)) // L.TILE_ROWS
     tiles_before = torch.cumsum(tiles, 0) - tiles
     j = torch.arange(nb_bound, device=offs.device)
     g = torch.searchsorted(cum, j, right=True)
     valid = g < e
     g = g.clamp(max=e - 1)
     lblk = j - (cum - nblk)[g]
-    rs = starts[g] + block * lblk
+    start = starts[g]
+    rs = start + block * lblk
     re = torch.where(valid, torch.minimum(rs + block, ends[g]), rs)
-    prow0 = tiles_before[g] * L.TILE_ROWS - starts[g]
-    tbl = torch.stack([rs, re, prow0, tiles_before[g], lblk, nblk[g]], 1)
-    return tbl.to(torch.int32).contiguous()
+    before = tiles_before[g]
+    prow0 = before * L.TILE_ROWS - start
+    tbl = torch.stack([rs, re, prow0, before, lblk, nblk[g]], 1)
+    return tbl.to(torch.int32)

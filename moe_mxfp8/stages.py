@@ -360,7 +360,7 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
                      _table(table, offs, m, ablk), rows.shape[1], outs, part, ablk, aligned_groups)
     dw = None
     if need_dw:
-        dw = part.sum(0).to(BF16).float()[rows.to(torch.int64)]
+        dw = part.sum(0).to(BF16).float()[rows]
     return (*_wrap(outs, offs), dw)
 
 

@@ -74,6 +74,30 @@ def test_bf16_twin_step_launches(launches):
     assert launches == {"triton": 6}
 
 
+# aten ops of one forward + backward on the GPU host path, those inside the custom ops included
+# (on a GPU each is a launch or an allocation, ~30 us of host time; views and no-op casts count
+# too): the router, the routing layout, the block table, autograd and the stages' buffers
+STEP_ATEN_OPS = {"bf16": 159, "1x32": 183, "1x128": 183}
+HOST_SYNC_OPS = {"aten.item", "aten._local_scalar_dense", "aten.is_nonzero"}
+
+
+@pytest.mark.parametrize("variant", sorted(STEP_ATEN_OPS))
+def test_step_aten_ops(probe, launches, variant):
+    """The aten ops a step dispatches, pinned: one more shows here (update the pin when a change
+    removes some). None reads a device value on the host (a sync on a GPU): the probe runs the
+    GPU's branches, not the value checks that run only for CPU tensors."""
+    torch.manual_seed(0)
+    opts = {"precision": "bf16"} if variant == "bf16" else {"scale_blocks": variant}
+    m = MXFP8MoE(128, 64, 8, 2, **opts)
+    x, dy = torch.randn(80, 128).to(BF16), torch.randn(80, 128).to(BF16)
+    _step(m, x, dy)  # the first step's one-time decisions
+    xi = x.clone().requires_grad_()
+    with probe.OpCounter() as counter:
+        m(xi).backward(dy)
+    assert not HOST_SYNC_OPS & set(counter.ops), counter.ops
+    assert sum(counter.ops.values()) == STEP_ATEN_OPS[variant], counter.ops
+
+
 def test_probe_restores_the_cpu_path(probe):
     """After the probe the layer runs the reference again (no stub left behind)."""
     with probe.gpu_host_path():

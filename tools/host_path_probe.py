@@ -7,8 +7,9 @@ Runs `MXFP8MoE` forward + backward (both recipes and the BF16 twin) through exac
 GPU runs -- the Triton host wrappers of the data path (`kernels.datapath_triton`, imported
 against a stand-in ``triton`` whose kernels launch nothing), the quantizer and grouped GEMM
 launchers with their ctypes argument packing (`native.NativeKernel.__call__`, the C entry a
-no-op), the backend choice (``"auto"``, the GPU's answer stubbed), the operand checks, the
-custom ops and autograd -- on CPU tensors of the shape's widths (D, H, E, k) and a few tokens,
+no-op), the backend choice (``"auto"``, the GPU's answer stubbed), the operand checks (their
+value reads, which run only for CPU tensors, answered as on a GPU: skipped), the custom ops and
+autograd -- on CPU tensors of the shape's widths (D, H, E, k) and a few tokens,
 so that the torch ops' own CPU compute stays small (it still grows with the padded row count:
 the 1x128 recipe pads every group to 128 rows). ``torch._grouped_mm`` (the twin's GEMMs)
 returns an empty output.
@@ -97,9 +98,10 @@ def gpu_host_path():
     """The GPU host path on CPU tensors with every device launch a no-op (see the module doc).
     Restores everything on exit."""
     from moe_mxfp8.kernels import native, quantize_launch
-    from moe_mxfp8.kernels.grouped_gemm import launcher
+    from moe_mxfp8.kernels.grouped_gemm import launcher, problem
 
     from moe_mxfp8 import backend as B
+    from moe_mxfp8 import checks
     from moe_mxfp8 import stages as ST
 
     dpt = _datapath_triton()
@@ -117,6 +119,9 @@ def gpu_host_path():
         (launcher, "_max_active_clusters", lambda index, size: 132),
         (torch.cuda, "current_device", lambda: 0),
         (torch, "_grouped_mm", _grouped_mm_stub),
+        # index and offs values are read only on the CPU (no device sync): as on a GPU, not here
+        (problem, "values_on_host", lambda t: False),
+        (checks, "values_on_host", lambda t: False),
     ]
     old = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
