@@ -16,7 +16,8 @@ busy ahead of it (`host_time`), so the number is the CPU's alone; ``--host-profi
 top N functions of a cProfile of those launches. ``--cache-weights 0,1`` measures the MXFP8
 layers without and with ``cache_weights=True``; ``--accumulate N`` makes a step N micro-batches
 (gradient accumulation) after an optimizer-step boundary (the weight cache is dropped at its
-start, as an optimizer step drops it).
+start, as an optimizer step drops it). ``--swiglu triton``: the quantized SwiGLU stages on the
+Triton kernels instead of the quantizer tile (an A/B of `stages.QUANTIZER_SWIGLU_BLOCKS`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 
 from benchmarks.timing import Rotating, bench_us, device_info
 from moe_mxfp8 import MXFP8MoE
+from moe_mxfp8 import stages as ST
 from moe_mxfp8.dispatcher import Routing
 
 
@@ -497,9 +499,14 @@ def main() -> None:
     ap.add_argument("--compile", default=None,
                     choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                     help="time torch.compile(layer, mode=...) for the twin and the MXFP8 layers")
+    ap.add_argument("--swiglu", default="shipped", choices=("shipped", "triton"),
+                    help="triton: the quantized SwiGLU stages on the Triton kernels instead of "
+                         "the quantizer tile (stages.QUANTIZER_SWIGLU_BLOCKS emptied)")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
+    if args.swiglu == "triton":
+        ST.QUANTIZER_SWIGLU_BLOCKS = frozenset()
     info = device_info()
     print(info)
     rows = []
