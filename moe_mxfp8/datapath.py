@@ -255,9 +255,10 @@ def _routed_experts_bwd(
 
 def _results(like: Tensor, dx, dwgu, dwdn, dwts) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`_routed_experts_bwd`'s results, an unneeded one (None) as an empty tensor."""
-    grads = (dx, dwgu, dwdn, dwts)
-    dtypes = (BF16, BF16, BF16, torch.float32)
-    return tuple(_empty(like, dt) if g is None else g for g, dt in zip(grads, dtypes, strict=True))
+    def fill(g, dt) -> Tensor:
+        return _empty(like, dt) if g is None else g
+
+    return fill(dx, BF16), fill(dwgu, BF16), fill(dwdn, BF16), fill(dwts, torch.float32)
 
 
 @_routed_experts_bwd.register_fake
