@@ -16,8 +16,8 @@ busy ahead of it (`host_time`), so the number is the CPU's alone; ``--host-profi
 top N functions of a cProfile of those launches. ``--cache-weights 0,1`` measures the MXFP8
 layers without and with ``cache_weights=True``; ``--accumulate N`` makes a step N micro-batches
 (gradient accumulation) after an optimizer-step boundary (the weight cache is dropped at its
-start, as an optimizer step drops it). ``--swiglu triton``: the quantized SwiGLU stages on the
-Triton kernels instead of the quantizer tile (an A/B of `stages.QUANTIZER_SWIGLU_BLOCKS`).
+start, as an optimizer step drops it). ``--quantizer-stages none``: the data path's quantized
+stages on the Triton kernels instead of the quantizer tile (an A/B of `stages.QUANTIZER_STAGES`).
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ def impose_routing(module: MXFP8MoE, ids: torch.Tensor, weights: torch.Tensor) -
 # Kernel name -> phase (first match wins). "expert gemm" is what the issue's "time outside the
 # expert GEMMs" excludes: the MXFP8 CuTeDSL grouped GEMMs and torch._grouped_mm's CUTLASS kernels.
 PHASES = [
-    ("dispatch", r"_dispatch_kernel|_gather_sum_kernel"),
-    ("swiglu", r"_swiglu_"),
-    ("combine", r"_combine_"),
+    ("dispatch", r"_dispatch_kernel|_gather_sum_kernel|GatherQuantizer"),
+    ("swiglu", r"_swiglu_|SwigluQuantizer|SwigluGradQuantizer"),
+    ("combine", r"_combine_|CombineGradQuantizer"),
     ("quantize", r"quant|mxfp8_q|Quantize"),
     ("expert gemm", r"grouped_gemm|GroupedGemm|gemm_sm90|kernel_cutlass|PtrArray|Grouped|grouped"
                     r"|GroupProblem"),
@@ -499,14 +499,15 @@ def main() -> None:
     ap.add_argument("--compile", default=None,
                     choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                     help="time torch.compile(layer, mode=...) for the twin and the MXFP8 layers")
-    ap.add_argument("--swiglu", default="shipped", choices=("shipped", "triton"),
-                    help="triton: the quantized SwiGLU stages on the Triton kernels instead of "
-                         "the quantizer tile (stages.QUANTIZER_SWIGLU_BLOCKS emptied)")
+    ap.add_argument("--quantizer-stages", default=None,
+                    help="the data-path stages on the quantizer tile, comma-separated, 'none' "
+                         "for all on the Triton kernels (default: stages.QUANTIZER_STAGES)")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
-    if args.swiglu == "triton":
-        ST.QUANTIZER_SWIGLU_BLOCKS = frozenset()
+    if args.quantizer_stages is not None:
+        names = args.quantizer_stages
+        ST.QUANTIZER_STAGES = frozenset() if names == "none" else frozenset(names.split(","))
     info = device_info()
     print(info)
     rows = []

@@ -92,12 +92,21 @@ def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> 
 
     h, da, src, offs, m, hh, e = (z[n] for n in ("h", "da", "src", "offs", "m", "hh", "e"))
     src = src.to(torch.int32)
-    f = hh if kern == "swiglu_fwd" else 2 * hh
+    f = {"swiglu_fwd": hh, "swiglu_bwd": 2 * hh}.get(kern, z["d"])
     o = ST._outputs(m, f, e, True, True, False, h)
     out = {"q_row": o["qrow"].view(torch.float8_e4m3fn), "s_row": o["srow"],
            "q_col": o["qcol"].view(torch.float8_e4m3fn), "s_col": o["scol"]}
     for ablk, tuning in [(128, None), (32, None)] + [(128, t) for t in tunings]:
-        if kern == "swiglu_fwd":
+        if kern == "dispatch":
+            def fn(ablk=ablk, tuning=tuning):
+                QL.quantize_gather(z["x"], src, offs, z["k"], act_block=ablk,
+                                   aligned_groups=True, out=out)
+        elif kern == "combine_bwd":
+            def fn(ablk=ablk, tuning=tuning):
+                QL.quantize_combine_grad(z["dout"], z["y"], src, z["w"], offs, z["k"],
+                                         act_block=ablk, aligned_groups=True, out=out,
+                                         part=z["part"])
+        elif kern == "swiglu_fwd":
             def fn(ablk=ablk, tuning=tuning):
                 QL.quantize_swiglu(h, src, offs, act_block=ablk, aligned_groups=True, out=out,
                                    tuning=tuning)
@@ -108,6 +117,8 @@ def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> 
         fn()  # compile outside the timing
         what = "shipped" if tuning is None else "load_batch {} ctas/SM {}".format(*tuning)
         _line(name, kern, f"quantizer tile (CuTeDSL), 1x{ablk}, {what}", _ms(fn), nbytes)
+    if kern not in ("swiglu_fwd", "swiglu_bwd"):
+        return
     # the Triton kernel of the 1x32 blocks (its 32-row blocks), same outputs
     tbl32 = RT.block_table(offs, m, 32)
     K = ST._triton_kernels()
@@ -176,8 +187,8 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
                   src_t.numel() * 4)
             if twin is not None:
                 _line(name, kern, "BF16 twin's kernel", _ms(twin), twin_bytes)
-            if kind == "swiglu":
-                _quantizer_lines(name, kern, z, nbytes, tunings)
+            _quantizer_lines(name, kern, {**z, "dout": dout, "y": y, "w": w, "part": part},
+                             nbytes, tunings if kind == "swiglu" else ())
             table = K.ROW_TILING[kern]
             shipped = table[128]
             try:

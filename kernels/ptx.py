@@ -232,3 +232,49 @@ def swiglu_grad_bf16x2(g_word, u_word, da_word, half, *, loc=None, ip=None):
         + elem % {"i": 0} + elem % {"i": 1} + "mov.b32 $0, {o0, o1};\n}",
         "=r,r,r,r,r", False, loc, ip,
     ))
+
+
+# ---------------------------------------------------------------------------------------------
+# The combine backward's arithmetic: BF16 products as PyTorch's BF16 ops round them
+# ---------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def scale_bf16x2(word, w_bits, *, loc=None, ip=None):
+    """Two BF16 ``g`` (one word, low half first) times ``bf16(w)`` (``w_bits``: an fp32 bit
+    pattern rounded to BF16 first), each product rounded to BF16: PyTorch's ``g * w.to(bf16)``
+    (the product of two BF16 values is exact in fp32, so one rounding)."""
+    return Int32(_asm(
+        T.i32(), [Int32(word), Int32(w_bits)],
+        "{\n.reg .f32 w, a, b;\n.reg .b16 z, wb, lo, hi, oa, ob;\n"
+        "mov.b16 z, 0;\nmov.b32 w, $2;\ncvt.rn.bf16.f32 wb, w;\nmov.b32 w, {z, wb};\n"
+        "mov.b32 {lo, hi}, $1;\nmov.b32 a, {z, lo};\nmov.b32 b, {z, hi};\n"
+        "mul.rn.f32 a, a, w;\nmul.rn.f32 b, b, w;\n"
+        "cvt.rn.bf16.f32 oa, a;\ncvt.rn.bf16.f32 ob, b;\nmov.b32 $0, {oa, ob};\n}",
+        "=r,r,r", False, loc, ip,
+    ))
+
+
+@dsl_user_op
+def dot_bf16x2(acc_bits, g_word, y_word, *, loc=None, ip=None):
+    """fp32 ``acc + bf16(g0 * y0) + bf16(g1 * y1)`` (bit patterns; the words' low halves
+    first): the routing-weight gradient's BF16 products, summed in fp32."""
+    return Int32(_asm(
+        T.i32(), [Int32(acc_bits), Int32(g_word), Int32(y_word)],
+        "{\n.reg .f32 s, g, y;\n.reg .b16 z, g0, g1, y0, y1, p;\n"
+        "mov.b16 z, 0;\nmov.b32 s, $1;\nmov.b32 {g0, g1}, $2;\nmov.b32 {y0, y1}, $3;\n"
+        "mov.b32 g, {z, g0};\nmov.b32 y, {z, y0};\nmul.rn.f32 g, g, y;\n"
+        "cvt.rn.bf16.f32 p, g;\nmov.b32 g, {z, p};\nadd.rn.f32 s, s, g;\n"
+        "mov.b32 g, {z, g1};\nmov.b32 y, {z, y1};\nmul.rn.f32 g, g, y;\n"
+        "cvt.rn.bf16.f32 p, g;\nmov.b32 g, {z, p};\nadd.rn.f32 s, s, g;\n"
+        "mov.b32 $0, s;\n}",
+        "=r,r,r,r", False, loc, ip,
+    ))
+
+
+@dsl_user_op
+def add_f32_bits(a, b, *, loc=None, ip=None):
+    """fp32 ``a + b`` on bit patterns (round to nearest even)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)],
+                      "{\n.reg .f32 x, y;\nmov.b32 x, $1;\nmov.b32 y, $2;\n"
+                      "add.rn.f32 x, x, y;\nmov.b32 $0, x;\n}", "=r,r,r", False, loc, ip))

@@ -73,7 +73,9 @@ from . import mx_format as F
 from .common import TORCH_TO_CUTLASS
 from .native import cu_stream, current_stream
 from .ptx import (
+    add_f32_bits,
     cvt_e4m3x4,
+    dot_bf16x2,
     f16_to_f32_bits,
     funnel_shift_right,
     ld_global_b32,
@@ -81,6 +83,7 @@ from .ptx import (
     ld_global_v4,
     ld_shared_b32,
     ld_shared_v4,
+    scale_bf16x2,
     st_global,
     st_global_u8,
     st_shared,
@@ -236,16 +239,19 @@ class TileQuantizer:
 
     @cute.jit
     def __call__(
-        self, x: cute.Pointer, aux: cute.Pointer, src: cute.Pointer, q_row: cute.Pointer,
-        s_row: cute.Pointer, q_col: cute.Pointer, s_col: cute.Pointer, offs: cute.Pointer,
-        tile_ends: cute.Pointer, m: Int32, n_groups: Int32, search_steps: Int32,
-        n_vtiles: Int32, stream,
+        self, x: cute.Pointer, aux: cute.Pointer, src: cute.Pointer, wts: cute.Pointer,
+        part: cute.Pointer, q_row: cute.Pointer, s_row: cute.Pointer, q_col: cute.Pointer,
+        s_col: cute.Pointer, offs: cute.Pointer, tile_ends: cute.Pointer, m: Int32,
+        n_groups: Int32, search_steps: Int32, n_vtiles: Int32, stream,
     ):
-        """``x``: the input (``h`` for the SwiGLU sources); ``aux``: ``dA`` ("swiglu_grad");
-        ``src``: the layout's source pair of each row (SwiGLU sources; -1 on pad rows)."""
+        """``x``: the input (``h`` for the SwiGLU sources, the token rows for "gather" and
+        "combine_grad"); ``aux``: ``dA`` ("swiglu_grad") or ``y`` ("combine_grad"); ``src``:
+        the layout's source pair of each row (-1 on pad rows); ``wts``: the fp32 routing
+        weight of each pair and ``part``: the fp32 partial routing-weight gradients
+        ("combine_grad")."""
         self.kernel(
-            x, aux, src, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, search_steps,
-            n_vtiles,
+            x, aux, src, wts, part, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups,
+            search_steps, n_vtiles,
         ).launch(
             # One linear grid dimension (limit 2^31 - 1 CTAs; grid y stops at 65535, i.e. at
             # 8.4M tokens): CTA i takes feature tile i % feat_tiles of token tile i // feat_tiles,
@@ -312,10 +318,10 @@ class TileQuantizer:
 
     @cute.kernel
     def kernel(
-        self, x: cute.Pointer, aux: cute.Pointer, src: cute.Pointer, q_row: cute.Pointer,
-        s_row: cute.Pointer, q_col: cute.Pointer, s_col: cute.Pointer, offs: cute.Pointer,
-        tile_ends: cute.Pointer, m: Int32, n_groups: Int32, search_steps: Int32,
-        n_vtiles: Int32,
+        self, x: cute.Pointer, aux: cute.Pointer, src: cute.Pointer, wts: cute.Pointer,
+        part: cute.Pointer, q_row: cute.Pointer, s_row: cute.Pointer, q_col: cute.Pointer,
+        s_col: cute.Pointer, offs: cute.Pointer, tile_ends: cute.Pointer, m: Int32,
+        n_groups: Int32, search_steps: Int32, n_vtiles: Int32,
     ):
         c = self.cfg
         tid, _, _ = cute.arch.thread_idx()
@@ -345,6 +351,11 @@ class TileQuantizer:
                 self.stash_tile(smem, self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0,
                                                        tid, "gate"), tid)
             words = self.unstash_tile(smem, tid)
+        elif const_expr(c.source in ("gather", "combine_grad")):
+            words = self.routed_tile(x, aux, src, wts, part, tok_begin, n_valid, feat0, bx, m,
+                                     tid)
+            if const_expr(self.needs_smem):
+                self.stash_tile(smem, words, tid)
         else:
             words = self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0, tid, None)
             if const_expr(self.needs_smem):
@@ -451,6 +462,54 @@ class TileQuantizer:
             r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
             vec = tid % self.vecs_per_row
             st_shared(smem + r * self.row_bytes + vec * VEC_BYTES, words[4 * it: 4 * it + 4])
+
+    @cute.jit
+    def routed_tile(self, x, y, src, wts, part, tok_begin, n_valid, feat0, bx, m, tid):
+        """The tile's BF16 words gathered from the token rows of ``x (T, k)``: row r holds
+        token ``src[r] // top_k`` ("gather": the dispatch), times ``bf16(wts[src[r]])``
+        ("combine_grad": the combine's backward, PyTorch's BF16 product); zero on pad rows.
+        With ``with_part``, also ``part[bx, r]`` = the fp32 sum over the tile's features of
+        ``bf16(x[token] * y[r])`` (the routing weight's gradient, per 128-feature tile): each
+        lane sums its 8 features in order, then the row's 16 lanes by butterfly."""
+        c = self.cfg
+        combine = c.source == "combine_grad"
+        x_base, y_base, src_base = x.toint(), y.toint(), src.toint()
+        words = []
+        for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, c.load_batch):
+            loads = []
+            for it in cutlass.range_constexpr(b0, b0 + c.load_batch):
+                r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
+                feat = feat0 + (tid % self.vecs_per_row) * self.vec_elems
+                row = Int64(tok_begin) + r
+                in_tile = Int32(r < n_valid) & Int32(feat < c.k)
+                pair = ld_global_b32(src_base + row * 4, Int32(r < n_valid), -1)
+                ok = in_tile & Int32(pair >= 0)
+                pair = cutlass.max(pair, 0)
+                tok = Int64(pair // c.top_k)
+                v = ld_global_v4(x_base + (tok * c.k + feat) * 2, ok)
+                w = Int32(0)
+                yv = [Int32(0)] * 4
+                if const_expr(combine):
+                    w = ld_global_b32(wts.toint() + Int64(pair) * 4, ok, 0)
+                if const_expr(c.with_part):
+                    yv = ld_global_v4(y_base + (row * c.k + feat) * 2, ok)
+                loads.append((v, w, yv, r))
+            for li in cutlass.range_constexpr(len(loads)):
+                v, w, yv, r = loads[li]
+                if const_expr(combine):
+                    words.extend([scale_bf16x2(v[j], w) for j in range(4)])
+                else:
+                    words.extend(v)
+                if const_expr(c.with_part):
+                    acc = Int32(0)
+                    for j in cutlass.range_constexpr(4):
+                        acc = dot_bf16x2(acc, v[j], yv[j])
+                    for step in cutlass.range_constexpr(_log2(self.vecs_per_row)):
+                        acc = add_f32_bits(acc, cute.arch.shuffle_sync_bfly(acc, offset=1 << step))
+                    # lane 0 of the row's lanes; every row of [0, M) is in one tile
+                    st_global(part.toint() + (Int64(bx) * m + tok_begin + r) * 4, [acc],
+                              Int32(r < n_valid) & Int32(tid % self.vecs_per_row == 0))
+        return words
 
     @cute.jit
     def unstash_tile(self, smem, tid):
@@ -726,13 +785,40 @@ class DualQuantizer(TileQuantizer):
         super().__init__(config)
 
 
-class SwigluQuantizer(TileQuantizer):
-    """The data path's SwiGLU (forward: ``a`` of ``h``; backward: ``dh`` of ``dA`` and ``h``)
-    computed in the tile's load and quantized like `DualQuantizer` (either output or both)."""
+class _SourceQuantizer(TileQuantizer):
+    """A tile whose rows are computed in its load (`QuantConfig.source`), one class per source
+    so that profilers name the data-path stage each kernel is."""
+
+    source = ""
 
     def __init__(self, config: QuantConfig):
-        assert config.source != "x"
+        assert config.source == self.source
         super().__init__(config)
+
+
+class SwigluQuantizer(_SourceQuantizer):
+    """The data path's SwiGLU forward: ``a`` of ``h``, quantized (either copy or both)."""
+
+    source = "swiglu"
+
+
+class SwigluGradQuantizer(_SourceQuantizer):
+    """The SwiGLU backward: ``dh`` of ``dA`` and ``h``, quantized."""
+
+    source = "swiglu_grad"
+
+
+class GatherQuantizer(_SourceQuantizer):
+    """The dispatch: ``x[token]`` of each sorted row, quantized."""
+
+    source = "gather"
+
+
+class CombineGradQuantizer(_SourceQuantizer):
+    """The combine's backward: ``dout[token] * bf16(w)`` of each sorted row, quantized, and the
+    routing weights' partial gradients."""
+
+    source = "combine_grad"
 
 
 class WeightQuantizer(TileQuantizer):
@@ -751,7 +837,9 @@ KERNEL_CLASSES = {
     "quantize_dual": DualQuantizer,
     "quantize_weights": WeightQuantizer,
     "quantize_swiglu": SwigluQuantizer,
-    "quantize_swiglu_grad": SwigluQuantizer,
+    "quantize_swiglu_grad": SwigluGradQuantizer,
+    "quantize_gather": GatherQuantizer,
+    "quantize_combine_grad": CombineGradQuantizer,
 }
 
 
@@ -763,9 +851,9 @@ def build_quantizer(op: str, config: QuantConfig, stream=None):
     if why:
         raise ValueError(f"moe_mxfp8 {op}: {why}")
     in_t = TORCH_TO_CUTLASS[TORCH_DTYPES[config.dtype]]
-    f8, u8, i32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32
+    f8, u8, i32, f32 = cutlass.Float8E4M3FN, cutlass.Uint8, cutlass.Int32, cutlass.Float32
     args = [make_ptr(t, 0, AddressSpace.gmem, assumed_align=16)
-            for t in (in_t, in_t, i32, f8, u8, f8, u8, i32, i32)]
+            for t in (in_t, in_t, i32, f32, f32, f8, u8, f8, u8, i32, i32)]
     if stream is None and torch.cuda.is_available():
         stream = current_stream(torch.cuda.current_device())
     stream = cu_stream(stream) if stream is not None else cute.runtime.make_fake_stream()

@@ -18,7 +18,7 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
 ACT_BLOCKS = tuple(sorted(set(F.ACT_BLOCK.values())))  # 32, 128
 TILE_BLOCK_ROWS = tuple(sorted(set(F.WEIGHT_BLOCK_ROWS.values())))  # 1, 32, 128
-SOURCES = ("x", "swiglu", "swiglu_grad")  # QuantConfig.source
+SOURCES = ("x", "swiglu", "swiglu_grad", "gather", "combine_grad")  # QuantConfig.source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,10 @@ class QuantConfig:
     source: what the tile holds -- "x" (the input itself), "swiglu" (BF16 ``silu(gate) * up``
     of ``h = [gate | up] (M, 2k)``, k = H) or "swiglu_grad" (BF16 ``dh = [dgate | dup] (M, k)``
     of ``dA (M, k/2)`` and ``h (M, k)``, k = 2H): the data path's SwiGLU fused with its
-    quantization (rows whose ``src`` entry is negative, the layout's pad rows, are zeros);
+    quantization; "gather" (row r = token ``src[r] // top_k`` of ``x (T, k)``: the dispatch) or
+    "combine_grad" (that row times ``bf16(w[src[r]])``: the combine's backward; ``with_part``:
+    also the routing weights' partial gradients). Rows whose ``src`` entry is negative, the
+    layout's pad rows, are zeros;
     load_batch: the SwiGLU sources' 16-byte vectors per input loaded ahead of their arithmetic
     (1, 2, 4, 8); ctas_per_sm: CTAs an SM the compiler must fit (a register cap; 0: its choice).
     """
@@ -56,3 +59,5 @@ class QuantConfig:
     source: str = "x"
     load_batch: int = 4
     ctas_per_sm: int = 0
+    top_k: int = 1
+    with_part: bool = False

@@ -26,6 +26,8 @@ _cache = CompileCache("quantize", cute=True)
 # mixtral, dsv3 and qwen3 shapes (H100, 2026-11-27, `benchmarks.bench_rowkernels
 # --quantizer-tunings`; 3 CTAs: 1.13-1.17x 2, 4 CTAs spill)
 SWIGLU_TUNING = {"swiglu": (2, 3), "swiglu_grad": (2, 3)}
+# the dispatch and the combine's backward: their loads are the same vectors at 3 CTAs an SM
+ROUTED_TUNING = (2, 3)
 
 
 def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None, stream=None):
@@ -64,7 +66,7 @@ def _group_tables(offs: torch.Tensor | None, m: int):
 
 
 def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_groups, steps,
-            n_vtiles, aux=None, src=None):
+            n_vtiles, aux=None, src=None, wts=None, part=None):
     ctas = n_vtiles * F.ceil_div(config.k, TILE_FEATURES)
     if ctas == 0:  # no tokens and no pad tiles, or K == 0: every output is empty
         return
@@ -79,9 +81,9 @@ def _launch(op, config, x, q_row, s_row, q_col, s_col, offs, tile_ends, m, n_gro
     with on_device(x.device):  # the operands' GPU and its stream, whichever is current
         stream = current_stream(x.device)
         fn = compile_quantizer(op, config, launch_arch(x.device), stream)
-        fn(p(x, config.dtype), p(aux, config.dtype), p(src, i32), p(q_row, f8), p(s_row, u8),
-           p(q_col, f8), p(s_col, u8), p(offs, i32), p(tile_ends, i32), m, n_groups, steps,
-           n_vtiles, stream)
+        fn(p(x, config.dtype), p(aux, config.dtype), p(src, i32), p(wts, "float32"),
+           p(part, "float32"), p(q_row, f8), p(s_row, u8), p(q_col, f8), p(s_col, u8),
+           p(offs, i32), p(tile_ends, i32), m, n_groups, steps, n_vtiles, stream)
 
 
 def _buffer(out, name, shape, dtype, device):
@@ -97,12 +99,12 @@ def _buffer(out, name, shape, dtype, device):
 @functools.lru_cache(maxsize=256)
 def _activation_config(dtype: str, rounding: str, k: int, rows: bool, cols: bool, grouped: bool,
                        col_aligned: bool, act_block: int, source: str, load_batch: int,
-                       ctas_per_sm: int) -> QuantConfig:
+                       ctas_per_sm: int, top_k: int, with_part: bool) -> QuantConfig:
     """An activation quantizer's configuration, made once per shape (see `_weights_config`)."""
     return QuantConfig(dtype=dtype, rounding=rounding, k=k, rows=rows, cols=cols,
                        grouping="offs" if grouped else "none", col_aligned=col_aligned,
                        act_block=act_block, source=source, load_batch=load_batch,
-                       ctas_per_sm=ctas_per_sm)
+                       ctas_per_sm=ctas_per_sm, top_k=top_k, with_part=with_part)
 
 
 def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
@@ -124,18 +126,22 @@ def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
 
 
 def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out, source="x",
-                      k=None, aux=None, src=None, aligned_groups=False, tuning=(4, 0)):
-    """``x (M, K)`` (or, for the SwiGLU sources, ``h`` with ``k`` output features) quantized
-    by ``op``; ``aligned_groups``: every ``offs`` group starts on a multiple of 16 rows."""
-    m = x.shape[0]
+                      k=None, aux=None, src=None, aligned_groups=False, tuning=(4, 0),
+                      m=None, top_k=1, wts=None, part=None):
+    """``x (M, K)`` (or, for the other sources, ``m`` rows of ``k`` output features computed
+    from ``x``, ``aux``, ``src``, ``wts``) quantized by ``op``; ``aligned_groups``: every
+    ``offs`` group starts on a multiple of 16 rows."""
+    m = x.shape[0] if m is None else m
     k = x.shape[1] if k is None else k
     n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m)
     bufs = _alloc_outputs(m, k, x.device, offs, rows, cols, out)
     aligned = m % VEC_BYTES == 0 and (offs is None or aligned_groups)
     config = _activation_config(DTYPE_NAMES[x.dtype], rounding, k, rows, cols,
-                                offs is not None, cols and aligned, act_block, source, *tuning)
+                                offs is not None, cols and aligned, act_block, source, *tuning,
+                                top_k, part is not None)
     _launch(op, config, x, bufs.get("q_row"), bufs.get("s_row"), bufs.get("q_col"),
-            bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles, aux, src)
+            bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles, aux, src, wts,
+            part)
     res = []
     if rows:
         res.append((bufs["q_row"], bufs["s_row"]))
@@ -195,6 +201,32 @@ def quantize_swiglu_grad(da: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
     return _activation_quant("quantize_swiglu_grad", h, "rceil", offs, act_block, rows, cols,
                              out, "swiglu_grad", h.shape[1], da, src, aligned_groups,
                              tuning or SWIGLU_TUNING["swiglu_grad"])
+
+
+def quantize_gather(x: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, top_k: int, *,
+                    rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
+                    aligned_groups: bool = False, out: dict | None = None) -> list:
+    """The dispatch: row r of the sorted buffer (``M = src.numel()`` rows) is token ``src[r] //
+    top_k`` of ``x (T, D)`` (BF16; zero where ``src < 0``), quantized in the same pass:
+    `moe_mxfp8.stages.dispatch_ref`'s MXFP8 copies."""
+    return _activation_quant("quantize_gather", x, "rceil", offs, act_block, rows, cols, out,
+                             "gather", x.shape[1], None, src, aligned_groups,
+                             ROUTED_TUNING, src.numel(), top_k)
+
+
+def quantize_combine_grad(dout: torch.Tensor, y: torch.Tensor, src: torch.Tensor,
+                          weights: torch.Tensor, offs: torch.Tensor, top_k: int, *,
+                          rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
+                          aligned_groups: bool = False, part: torch.Tensor | None = None,
+                          out: dict | None = None) -> list:
+    """The combine's backward: row r is ``bf16(dout[t] * bf16(weights[p]))`` for its pair ``p
+    = src[r]`` of token ``t = p // top_k`` (zero where ``src < 0``), quantized in the same pass
+    (`moe_mxfp8.stages.combine_backward_ref`'s MXFP8 copies); ``weights``: fp32, one per pair.
+    ``part`` (fp32 ``(ceil(D / 128), M)``, or None): filled with each row's sum over each
+    128-feature tile of ``bf16(dout[t] * y[r])``, the routing weight's gradient by parts."""
+    return _activation_quant("quantize_combine_grad", dout, "rceil", offs, act_block, rows, cols,
+                             out, "combine_grad", dout.shape[1], y, src, aligned_groups,
+                             ROUTED_TUNING, src.numel(), top_k, weights, part)
 
 
 # one GEMM operand of the weight quantizer: (e4m3 data, packed scales), or None where not wanted

@@ -21,9 +21,10 @@ and its autograd, the BF16 combine product and its autograd), so the layer's num
 change. Every stage has a pure-PyTorch reference (``*_ref``, next to it; CPU and CI) and a
 Triton kernel (``moe_mxfp8.kernels.datapath_triton``, used on CUDA when Triton is installed: an
 optional GPU dependency); the GPU tests check the kernels bit for bit against the references.
-The quantized SwiGLU stages run instead as a source of the CuTeDSL quantizer tile
-(`kernels.quantize`, ``source="swiglu"`` / ``"swiglu_grad"``) wherever the quantizer kernels run
-(`QUANTIZER_SWIGLU_BLOCKS`; docs/design/datapath.md says why).
+The quantized SwiGLU stages and the combine backward run instead as sources of the CuTeDSL
+quantizer tile (`kernels.quantize`, ``source="swiglu"`` / ``"swiglu_grad"`` /
+``"combine_grad"``) wherever the quantizer kernels run (`QUANTIZER_STAGES`;
+docs/design/datapath.md says why).
 """
 
 from __future__ import annotations
@@ -75,18 +76,22 @@ def use_triton(t: Tensor, backend: str) -> bool:
     return True
 
 
-# Activation block lengths whose quantized SwiGLU stages run on the CuTeDSL quantizer tile (one
-# 128-token x 128-feature tile a CTA at ~100 registers, 2 CTAs an SM) instead of the Triton
-# kernels (one 128 x 128 tile at 204-255 registers for 1x128); docs/design/datapath.md.
-QUANTIZER_SWIGLU_BLOCKS = frozenset({BLOCK_SIZE, BLOCK_128})
+# The stages whose MXFP8 outputs come from the CuTeDSL quantizer tile (`kernels.quantize`: the
+# tile's rows computed in its load -- SwiGLU, or gathered and scaled -- then quantized as any
+# tile; one 128 x 128 tile a CTA at 80 registers, 3 CTAs an SM) instead of the Triton kernels,
+# and the activation block lengths they do it for. The dispatch can too ("dispatch"), but ran
+# level with or slower than its Triton kernel (0.96-1.01x, H100, 2026-11-27), so it stays there;
+# docs/design/datapath.md.
+QUANTIZER_STAGES = frozenset({"swiglu", "combine_backward"})
+QUANTIZER_BLOCKS = frozenset({BLOCK_SIZE, BLOCK_128})
 
 
-def _swiglu_on_quantizer(h: Tensor, ablk: int, quantized: bool, keep_bf16: bool) -> bool:
-    """Whether a SwiGLU stage runs as the quantizer's SwiGLU source: MXFP8 outputs only (the
-    BF16 value is the Triton kernel's), BF16 ``h``, and quantizer kernels for this GPU."""
-    return (quantized and not keep_bf16 and ablk in QUANTIZER_SWIGLU_BLOCKS
-            and h.dtype == BF16 and kernel_backend_for(h.device) is not None
-            and cutedsl_available())
+def _on_quantizer(stage: str, t: Tensor, ablk: int, quantized: bool, keep_bf16: bool) -> bool:
+    """Whether ``stage`` runs on the quantizer tile: MXFP8 outputs only (the BF16 value is the
+    Triton kernel's), BF16 data, and quantizer kernels for this GPU."""
+    return (stage in QUANTIZER_STAGES and quantized and not keep_bf16
+            and ablk in QUANTIZER_BLOCKS and t.dtype == BF16
+            and kernel_backend_for(t.device) is not None and cutedsl_available())
 
 
 def _quantizer():
@@ -198,6 +203,11 @@ def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = T
         return dispatch_ref(x, src, offs, top_k, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
                             scale_blocks=scale_blocks)
     x = x.to(BF16).contiguous()
+    if _on_quantizer("dispatch", x, ablk, qrow or qcol, keep_bf16):
+        res = _quantizer().quantize_gather(x, _int32(src), kernel_offs(offs), top_k, rows=qrow,
+                                           cols=qcol, act_block=ablk,
+                                           aligned_groups=aligned_groups)
+        return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, x.shape[1], offs.numel(), qrow, qcol, keep_bf16, x)
     _triton_kernels().dispatch(x, src.contiguous(), _table(table, offs, m, ablk), top_k, outs,
@@ -247,7 +257,7 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
         return swiglu_ref(h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
                           scale_blocks=scale_blocks)
     h = h.contiguous()
-    if _swiglu_on_quantizer(h, ablk, qrow or qcol, keep_bf16):
+    if _on_quantizer("swiglu", h, ablk, qrow or qcol, keep_bf16):
         res = _quantizer().quantize_swiglu(h, _int32(src), kernel_offs(offs), rows=qrow,
                                            cols=qcol, act_block=ablk,
                                            aligned_groups=aligned_groups)
@@ -282,7 +292,7 @@ def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: b
         return swiglu_backward_ref(da, h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
                                    scale_blocks=scale_blocks)
     h, da = h.contiguous(), da.contiguous()
-    if _swiglu_on_quantizer(h, ablk, qrow or qcol, keep_bf16) and da.dtype == BF16:
+    if _on_quantizer("swiglu", h, ablk, qrow or qcol, keep_bf16) and da.dtype == BF16:
         res = _quantizer().quantize_swiglu_grad(da, h, _int32(src), kernel_offs(offs),
                                                 rows=qrow, cols=qcol, act_block=ablk,
                                                 aligned_groups=aligned_groups)
@@ -352,12 +362,20 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
     kern = _triton_kernels()
     dout, y = dout.contiguous(), y.contiguous()
     m, d = src.numel(), dout.shape[1]
-    outs = _outputs(m, d, offs.numel(), qrow, qcol, keep_bf16, dout)
     part = None
     if need_dw:
         part = dout.new_empty(-(-d // kern.COL_TILE), m, dtype=torch.float32)
-    kern.combine_bwd(dout, y, weights.float().contiguous(), src.contiguous(),
-                     _table(table, offs, m, ablk), rows.shape[1], outs, part, ablk, aligned_groups)
+    if (_on_quantizer("combine_backward", dout, ablk, qrow or qcol, keep_bf16)
+            and y.dtype == BF16):
+        res = _quantizer().quantize_combine_grad(
+            dout, y, _int32(src), weights.float().contiguous(), kernel_offs(offs), rows.shape[1],
+            rows=qrow, cols=qcol, act_block=ablk, aligned_groups=aligned_groups, part=part)
+        outs = _quantizer_outputs(res, qrow, qcol)
+    else:
+        outs = _outputs(m, d, offs.numel(), qrow, qcol, keep_bf16, dout)
+        kern.combine_bwd(dout, y, weights.float().contiguous(), src.contiguous(),
+                         _table(table, offs, m, ablk), rows.shape[1], outs, part, ablk,
+                         aligned_groups)
     dw = None
     if need_dw:
         dw = part.sum(0).to(BF16).float()[rows]

@@ -91,6 +91,13 @@ COMPILE_SCRIPT = textwrap.dedent(
                                                        ctas_per_sm=3)))
             variants.append(("quantize_swiglu", C(dt, rnd, 2048, False, True, grouping="offs",
                                                   source="swiglu", ctas_per_sm=3)))
+            for ab in (32, 128):  # the dispatch and the combine's backward
+                variants.append(("quantize_gather", C(dt, rnd, 7168, True, True, act_block=ab,
+                                                      grouping="offs", col_aligned=True,
+                                                      source="gather", top_k=2)))
+                variants.append(("quantize_combine_grad", C(
+                    dt, rnd, 160, True, True, act_block=ab, grouping="offs",
+                    source="combine_grad", top_k=3, with_part=True)))
         for op, cfg in variants:
             Q.compile_quantizer(op, cfg)
             n += 1
@@ -106,7 +113,7 @@ def test_compile_all_variants(arch):
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled 174" in res.stdout
+    assert "compiled 178" in res.stdout
 
 
 SASS_SCRIPT = textwrap.dedent(
