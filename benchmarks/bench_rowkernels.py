@@ -115,7 +115,8 @@ def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> 
                 QL.quantize_swiglu_grad(da, h, src, offs, act_block=ablk, aligned_groups=True,
                                         out=out, tuning=tuning)
         fn()  # compile outside the timing
-        what = "shipped" if tuning is None else "load_batch {} ctas/SM {}".format(*tuning)
+        what = ("shipped" if tuning is None
+                else "load_batch {} ctas/SM {} joint dh {}".format(*tuning, 0))
         _line(name, kern, f"quantizer tile (CuTeDSL), 1x{ablk}, {what}", _ms(fn), nbytes)
     if kern not in ("swiglu_fwd", "swiglu_bwd"):
         return

@@ -205,26 +205,19 @@ _DGATE = (
 
 
 @dsl_user_op
-def swiglu_grad_bf16x2(g_word, u_word, da_word, half, *, loc=None, ip=None):
-    """Two BF16 elements of ``dgate`` or ``dup`` from the words of gate, up and dA, as
-    PyTorch's autograd of `F.silu(gate) * up` in BF16 computes them: ``dup = bf16(dA *
-    bf16(silu(g)))``; ``dgate = bf16(sig * bf16(dA * up) * (1 + g * (1 - sig)))`` with ``sig =
-    1 / (1 + exp(-g))`` (its CUDA silu_backward, the inner ``1 + ...`` one fma).
-
-    ``half``: ``"gate"`` or ``"up"`` (static: only that element's arithmetic; ``u_word`` is
-    unused for ``"up"``), or an ``Int32`` that is nonzero for dup (both computed, one kept:
-    tiles that straddle the halves). One division either way: ``g / den`` or ``1 / den``."""
-    static = isinstance(half, str)
-    num = {"gate": "mov.f32 s, 0f3F800000;\n", "up": "mov.f32 s, g;\n"}.get(
-        half if static else "", "selp.f32 s, g, 0f3F800000, up;\n")
-    body = {"gate": _DGATE + "mov.b16 o%(i)d, og;\n", "up": _DUP + "mov.b16 o%(i)d, ou;\n"}.get(
-        half if static else "", _DUP + _DGATE + "selp.b16 o%(i)d, ou, og, up;\n")
+def swiglu_grad_bf16x2(g_word, u_word, da_word, is_up, *, loc=None, ip=None):
+    """Two BF16 elements of ``dgate`` (``is_up`` 0) or ``dup`` (``is_up`` nonzero) from the
+    words of gate, up and dA, as PyTorch's autograd of `F.silu(gate) * up` in BF16 computes
+    them: ``dup = bf16(dA * bf16(silu(g)))``; ``dgate = bf16(sig * bf16(dA * up) * (1 + g * (1
+    - sig)))`` with ``sig = 1 / (1 + exp(-g))`` (its CUDA silu_backward, the inner ``1 + ...``
+    one fma). Both are computed, one kept (tiles that straddle the halves); one division."""
     elem = (
         "mov.b32 g, {z, gh%(i)d};\nmov.b32 u, {z, uh%(i)d};\nmov.b32 d, {z, dh%(i)d};\n"
-        + _ONE_PLUS_EXP_NEG + num + "div.rn.f32 s, s, den;\n" + body
+        + _ONE_PLUS_EXP_NEG + "selp.f32 s, g, 0f3F800000, up;\ndiv.rn.f32 s, s, den;\n"
+        + _DUP + _DGATE + "selp.b16 o%(i)d, ou, og, up;\n"
     )
     return Int32(_asm(
-        T.i32(), [Int32(g_word), Int32(u_word), Int32(da_word), Int32(0 if static else half)],
+        T.i32(), [Int32(g_word), Int32(u_word), Int32(da_word), Int32(is_up)],
         "{\n" + _SWIGLU_REGS + ".reg .pred up;\n"
         ".reg .b16 z, sb, ou, og, gh0, gh1, uh0, uh1, dh0, dh1, o0, o1;\n"
         "setp.ne.b32 up, $4, 0;\nmov.b16 z, 0;\nmov.b32 {gh0, gh1}, $1;\n"
@@ -232,11 +225,6 @@ def swiglu_grad_bf16x2(g_word, u_word, da_word, half, *, loc=None, ip=None):
         + elem % {"i": 0} + elem % {"i": 1} + "mov.b32 $0, {o0, o1};\n}",
         "=r,r,r,r,r", False, loc, ip,
     ))
-
-
-# ---------------------------------------------------------------------------------------------
-# The combine backward's arithmetic: BF16 products as PyTorch's BF16 ops round them
-# ---------------------------------------------------------------------------------------------
 
 
 @dsl_user_op
@@ -278,3 +266,27 @@ def add_f32_bits(a, b, *, loc=None, ip=None):
     return Int32(_asm(T.i32(), [Int32(a), Int32(b)],
                       "{\n.reg .f32 x, y;\nmov.b32 x, $1;\nmov.b32 y, $2;\n"
                       "add.rn.f32 x, x, y;\nmov.b32 $0, x;\n}", "=r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def swiglu_grad_pair_bf16x2(g_word, u_word, da_word, *, loc=None, ip=None):
+    """``(dgate word, dup word)``: `swiglu_grad_bf16x2`'s two halves from one ``1 + exp(-g)``
+    (a gate/up feature pair: one exp, the two divisions)."""
+    elem = (
+        "mov.b32 g, {z, gh%(i)d};\nmov.b32 u, {z, uh%(i)d};\nmov.b32 d, {z, dh%(i)d};\n"
+        + _ONE_PLUS_EXP_NEG
+        + "div.rn.f32 s, g, den;\n" + _DUP + "mov.b16 pu%(i)d, ou;\n"
+        + "div.rn.f32 s, 0f3F800000, den;\n" + _DGATE + "mov.b16 pg%(i)d, og;\n"
+    )
+    st = llvm.StructType.get_literal([T.i32()] * 2)
+    res = _asm(
+        st, [Int32(g_word), Int32(u_word), Int32(da_word)],
+        "{\n" + _SWIGLU_REGS
+        + ".reg .b16 z, sb, ou, og, gh0, gh1, uh0, uh1, dh0, dh1, pg0, pg1, pu0, pu1;\n"
+        "mov.b16 z, 0;\nmov.b32 {gh0, gh1}, $2;\nmov.b32 {uh0, uh1}, $3;\n"
+        "mov.b32 {dh0, dh1}, $4;\n"
+        + elem % {"i": 0} + elem % {"i": 1}
+        + "mov.b32 $0, {pg0, pg1};\nmov.b32 $1, {pu0, pu1};\n}",
+        "=r,=r,r,r,r", False, loc, ip,
+    )
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]

@@ -90,6 +90,7 @@ from .ptx import (
     st_shared_pred,
     swiglu_bf16x2,
     swiglu_grad_bf16x2,
+    swiglu_grad_pair_bf16x2,
 )
 from .quantize_config import (
     ACT_BLOCKS,
@@ -182,16 +183,20 @@ class TileQuantizer:
         self.col128 = config.cols and act128
         # lanes that share one rowwise amax: a 32-block's, or (1x128) the whole tile row's
         self.row_lanes = self.vecs_per_row if act128 else self.lanes_per_block
-        # dh tiles of one half each (H a multiple of the tile): one half's arithmetic a CTA
-        self.split_halves = (config.source == "swiglu_grad"
-                             and (config.k // 2) % TILE_FEATURES == 0)
-        self.needs_smem = config.cols or self.tiled or self.split_halves
+        # dh with H a multiple of the tile (``joint_halves``): a CTA makes the dgate and the dup
+        # tile of one feature tile -- one read of gate / up / dA and one exp for both; the dup
+        # tile waits in a second shared-memory region
+        self.joint = (config.source == "swiglu_grad" and config.joint_halves
+                      and (config.k // 2) % TILE_FEATURES == 0)
+        self.grid_feat_tiles = self.feat_tiles // 2 if self.joint else self.feat_tiles
+        self.needs_smem = config.cols or self.tiled or self.joint
         tile_bytes = TILE_TOKENS * self.row_bytes
         stage_bytes = TILE_FEATURES * STAGE_ROW_BYTES
         self.amax_offset = max(tile_bytes, stage_bytes)  # staging aliases the input tile
         # amax exchange slots: (32-token block, feature) for 1x128 columns, else 32x32 sub-tiles
         slots = F.TILE_BLOCKS * TILE_FEATURES if self.col128 else SUBTILES if self.tiled else 0
-        self.smem_bytes = self.amax_offset + 4 * slots if self.needs_smem else 0
+        self.smem_region = self.amax_offset + 4 * slots if self.needs_smem else 0
+        self.smem_bytes = self.smem_region * (2 if self.joint else 1)
 
     def can_implement(self) -> str | None:
         """None if this config can run, else why not."""
@@ -256,7 +261,7 @@ class TileQuantizer:
             # One linear grid dimension (limit 2^31 - 1 CTAs; grid y stops at 65535, i.e. at
             # 8.4M tokens): CTA i takes feature tile i % feat_tiles of token tile i // feat_tiles,
             # the order a (feat_tiles, n_vtiles) grid would run them in.
-            grid=[n_vtiles * self.feat_tiles, 1, 1], block=[THREADS, 1, 1],
+            grid=[n_vtiles * self.grid_feat_tiles, 1, 1], block=[THREADS, 1, 1],
             smem=self.smem_bytes, stream=stream,
             # 0: as many CTAs an SM as the registers the compiler picks allow
             min_blocks_per_mp=self.cfg.ctas_per_sm, preferred_smem_carveout=self.carveout(),
@@ -326,8 +331,8 @@ class TileQuantizer:
         c = self.cfg
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        bx = cta % self.feat_tiles  # static divisor: a multiply and a shift
-        t = cta // self.feat_tiles
+        bx = cta % self.grid_feat_tiles  # static divisor: a multiply and a shift
+        t = cta // self.grid_feat_tiles
         tok_begin, n_valid, t_first, tiles_g, g = self.tile_context(
             offs, tile_ends, m, n_groups, search_steps, n_vtiles, t
         )
@@ -340,24 +345,17 @@ class TileQuantizer:
             words = self.load_tile(x, tok_begin, n_valid, feat0, tid)
             if const_expr(self.needs_smem):
                 self.stash_tile(smem, words, tid)
-        elif const_expr(self.split_halves):
-            # a dh tile is all dgate or all dup: the CTA computes only its half's arithmetic,
-            # its words leave each branch through shared memory (stashed as for any tile) and
-            # come back to the registers they were stashed from
-            if feat0 >= c.k // 2:
-                self.stash_tile(smem, self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0,
-                                                       tid, "up"), tid)
-            else:
-                self.stash_tile(smem, self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0,
-                                                       tid, "gate"), tid)
-            words = self.unstash_tile(smem, tid)
+        elif const_expr(self.joint):
+            words = self.swiglu_joint_tile(x, aux, src, tok_begin, n_valid, feat0, tid,
+                                           smem + self.smem_region)
+            self.stash_tile(smem, words, tid)
         elif const_expr(c.source in ("gather", "combine_grad")):
             words = self.routed_tile(x, aux, src, wts, part, tok_begin, n_valid, feat0, bx, m,
                                      tid)
             if const_expr(self.needs_smem):
                 self.stash_tile(smem, words, tid)
         else:
-            words = self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0, tid, None)
+            words = self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0, tid)
             if const_expr(self.needs_smem):
                 self.stash_tile(smem, words, tid)
         if const_expr(c.rows and not self.tiled):
@@ -368,6 +366,15 @@ class TileQuantizer:
                             tiles_g, g, m, tid)
         if const_expr(c.rows and self.tiled):
             self.rows_phase(q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid)
+        if const_expr(self.joint):  # the dup tile, from its own region
+            smem_u = smem + self.smem_region
+            bx_u = bx + self.grid_feat_tiles
+            if const_expr(c.rows):
+                self.rows_phase(q_row, s_row, self.unstash_tile(smem_u, tid), smem_u,
+                                tok_begin, n_valid, bx_u * TILE_FEATURES, bx_u, t, tid)
+            cute.arch.sync_threads()
+            self.cols_phase(q_col, s_col, smem_u, tok_begin, n_valid, bx_u * TILE_FEATURES,
+                            bx_u, t, t_first, tiles_g, g, m, tid)
 
     @cute.jit
     def load_tile(self, x, tok_begin, n_valid, feat0, tid):
@@ -406,12 +413,12 @@ class TileQuantizer:
         return [vals[2 * j] | (vals[2 * j + 1] << 16) for j in range(4)]
 
     @cute.jit
-    def swiglu_tile(self, h, da, src, tok_begin, n_valid, feat0, tid, half):
+    def swiglu_tile(self, h, da, src, tok_begin, n_valid, feat0, tid):
         """The tile's BF16 words of ``a = silu(gate) * up`` ("swiglu") or of ``dh = [dgate |
         dup]`` ("swiglu_grad"), in `load_tile`'s order, from ``h = [gate | up]`` (and ``dA``):
         the same arithmetic as PyTorch's BF16 ops (`ptx.swiglu_bf16x2`), zero on pad rows.
-        ``half`` (dh): ``"gate"`` / ``"up"`` for a tile of one half, None for one that
-        straddles them (each vector picks its own).
+        A dh tile here may straddle the halves (H % 128 != 0; else `swiglu_joint_tile`): each
+        vector picks its own.
 
         The loads of ``load_batch`` vectors go out before their arithmetic: enough bytes in
         flight, without holding all of the tile's inputs (2-3x its output) in registers."""
@@ -431,16 +438,12 @@ class TileQuantizer:
                 ok = in_tile & Int32(ld_global_b32(src_base + tok * 4, in_tile, -1) >= 0)
                 # dh's feature f < H is dgate of gate feature f, else dup of feature f - H
                 is_up = Int32(0)
-                if const_expr(grad and half is None):
+                if const_expr(grad):
                     is_up = Int32(feat >= hidden)
-                if const_expr(half == "up"):
-                    is_up = Int32(1)
                 f = feat - is_up * hidden
                 row = h_base + (tok * (2 * hidden) + f) * 2
                 g = ld_global_v4(row, ok)
-                u = [Int32(0)] * 4
-                if const_expr(half != "up"):  # dup does not read up
-                    u = ld_global_v4(row + hidden * 2, ok & (1 - is_up))
+                u = ld_global_v4(row + hidden * 2, ok & (1 - is_up))  # dup does not read up
                 d = [Int32(0)] * 4
                 if const_expr(grad):
                     d = ld_global_v4(da_base + (tok * hidden + f) * 2, ok)
@@ -449,8 +452,7 @@ class TileQuantizer:
                 g, u, d, is_up = loads[li]
                 for j in cutlass.range_constexpr(4):
                     if const_expr(grad):
-                        words.append(swiglu_grad_bf16x2(g[j], u[j], d[j],
-                                                        is_up if half is None else half))
+                        words.append(swiglu_grad_bf16x2(g[j], u[j], d[j], is_up))
                     else:
                         words.append(swiglu_bf16x2(g[j], u[j]))
         return words
@@ -509,6 +511,36 @@ class TileQuantizer:
                     # lane 0 of the row's lanes; every row of [0, M) is in one tile
                     st_global(part.toint() + (Int64(bx) * m + tok_begin + r) * 4, [acc],
                               Int32(r < n_valid) & Int32(tid % self.vecs_per_row == 0))
+        return words
+
+    @cute.jit
+    def swiglu_joint_tile(self, h, da, src, tok_begin, n_valid, feat0, tid, smem_u):
+        """The dgate words of gate feature tile ``feat0`` (returned) and its dup words (stored
+        in `stash_tile`'s layout at ``smem_u``) from one read of gate, up and dA."""
+        c = self.cfg
+        hidden = c.k // 2
+        h_base, da_base, src_base = h.toint(), da.toint(), src.toint()
+        words = []
+        for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, c.load_batch):
+            loads = []
+            for it in cutlass.range_constexpr(b0, b0 + c.load_batch):
+                r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
+                vec = tid % self.vecs_per_row
+                feat = feat0 + vec * self.vec_elems
+                tok = Int64(tok_begin) + r
+                in_tile = Int32(r < n_valid) & Int32(feat < hidden)
+                ok = in_tile & Int32(ld_global_b32(src_base + tok * 4, in_tile, -1) >= 0)
+                row = h_base + (tok * (2 * hidden) + feat) * 2
+                loads.append((ld_global_v4(row, ok), ld_global_v4(row + hidden * 2, ok),
+                              ld_global_v4(da_base + (tok * hidden + feat) * 2, ok), r, vec))
+            for li in cutlass.range_constexpr(len(loads)):
+                g, u, d, r, vec = loads[li]
+                dup = []
+                for j in cutlass.range_constexpr(4):
+                    dg_w, du_w = swiglu_grad_pair_bf16x2(g[j], u[j], d[j])
+                    words.append(dg_w)
+                    dup.append(du_w)
+                st_shared(smem_u + r * self.row_bytes + vec * VEC_BYTES, dup)
         return words
 
     @cute.jit

@@ -40,7 +40,8 @@ class QuantConfig:
     quantization; "gather" (row r = token ``src[r] // top_k`` of ``x (T, k)``: the dispatch) or
     "combine_grad" (that row times ``bf16(w[src[r]])``: the combine's backward; ``with_part``:
     also the routing weights' partial gradients). Rows whose ``src`` entry is negative, the
-    layout's pad rows, are zeros;
+    layout's pad rows, are zeros; joint_halves ("swiglu_grad", H % 128 == 0): a CTA writes the
+    dgate and the dup tile of one feature tile;
     load_batch: the SwiGLU sources' 16-byte vectors per input loaded ahead of their arithmetic
     (1, 2, 4, 8); ctas_per_sm: CTAs an SM the compiler must fit (a register cap; 0: its choice).
     """
@@ -61,3 +62,4 @@ class QuantConfig:
     ctas_per_sm: int = 0
     top_k: int = 1
     with_part: bool = False
+    joint_halves: bool = False

@@ -21,11 +21,12 @@ from .quantize_config import DTYPE_NAMES, TILE_FEATURES, VEC_BYTES, QuantConfig
 
 _cache = CompileCache("quantize", cute=True)
 
-# (load_batch, ctas_per_sm) of the SwiGLU sources: 3 CTAs an SM (80 registers, no spills) and
-# 2 vectors an input ahead -- the fastest of batches 2, 4, 8 at 2, 3, 4 CTAs an SM at the
-# mixtral, dsv3 and qwen3 shapes (H100, 2026-11-27, `benchmarks.bench_rowkernels
-# --quantizer-tunings`; 3 CTAs: 1.13-1.17x 2, 4 CTAs spill)
-SWIGLU_TUNING = {"swiglu": (2, 3), "swiglu_grad": (2, 3)}
+# (load_batch, ctas_per_sm, joint dh tiles) of the SwiGLU sources (H100, 2026-11-27,
+# `benchmarks.bench_rowkernels --quantizer-tunings`): the forward at 3 CTAs an SM (80 registers,
+# no spills; 1.13-1.17x 2 CTAs, 4 CTAs spill) with 2 vectors an input ahead; the backward with
+# joint gate/up tiles at the compiler's 2 CTAs an SM (128 registers; 1.06-1.12x one half a CTA
+# at 3 CTAs, which was 1.02-1.10x both halves' arithmetic a CTA)
+SWIGLU_TUNING = {"swiglu": (2, 3), "swiglu_grad": (2, 0, True)}
 # the dispatch and the combine's backward: their loads are the same vectors at 3 CTAs an SM
 ROUTED_TUNING = (2, 3)
 
@@ -99,12 +100,14 @@ def _buffer(out, name, shape, dtype, device):
 @functools.lru_cache(maxsize=256)
 def _activation_config(dtype: str, rounding: str, k: int, rows: bool, cols: bool, grouped: bool,
                        col_aligned: bool, act_block: int, source: str, load_batch: int,
-                       ctas_per_sm: int, top_k: int, with_part: bool) -> QuantConfig:
+                       ctas_per_sm: int, top_k: int, with_part: bool,
+                       joint_halves: bool) -> QuantConfig:
     """An activation quantizer's configuration, made once per shape (see `_weights_config`)."""
     return QuantConfig(dtype=dtype, rounding=rounding, k=k, rows=rows, cols=cols,
                        grouping="offs" if grouped else "none", col_aligned=col_aligned,
                        act_block=act_block, source=source, load_batch=load_batch,
-                       ctas_per_sm=ctas_per_sm, top_k=top_k, with_part=with_part)
+                       ctas_per_sm=ctas_per_sm, top_k=top_k, with_part=with_part,
+                       joint_halves=joint_halves and source == "swiglu_grad")
 
 
 def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
@@ -126,7 +129,7 @@ def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
 
 
 def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out, source="x",
-                      k=None, aux=None, src=None, aligned_groups=False, tuning=(4, 0),
+                      k=None, aux=None, src=None, aligned_groups=False, tuning=(4, 0, False),
                       m=None, top_k=1, wts=None, part=None):
     """``x (M, K)`` (or, for the other sources, ``m`` rows of ``k`` output features computed
     from ``x``, ``aux``, ``src``, ``wts``) quantized by ``op``; ``aligned_groups``: every
@@ -136,9 +139,10 @@ def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out, source=
     n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m)
     bufs = _alloc_outputs(m, k, x.device, offs, rows, cols, out)
     aligned = m % VEC_BYTES == 0 and (offs is None or aligned_groups)
+    batch, ctas, joint = (tuple(tuning) + (False,))[:3]
     config = _activation_config(DTYPE_NAMES[x.dtype], rounding, k, rows, cols,
-                                offs is not None, cols and aligned, act_block, source, *tuning,
-                                top_k, part is not None)
+                                offs is not None, cols and aligned, act_block, source, batch,
+                                ctas, top_k, part is not None, bool(joint))
     _launch(op, config, x, bufs.get("q_row"), bufs.get("s_row"), bufs.get("q_col"),
             bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles, aux, src, wts,
             part)
@@ -179,12 +183,13 @@ def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
 def quantize_swiglu(h: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, *,
                     rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
                     aligned_groups: bool = False, out: dict | None = None,
-                    tuning: tuple[int, int] | None = None) -> list:
+                    tuning: tuple[int, ...] | None = None) -> list:
     """``a = silu(gate) * up`` of ``h = [gate | up] (M, 2H)`` (BF16, PyTorch's roundings; zero
     where ``src < 0``) quantized in the same pass, rows grouped by ``offs``: [(rowwise data,
     scales)] and/or [(columnwise data, scales)] -- `moe_mxfp8.stages.swiglu_ref`'s MXFP8
     copies. ``aligned_groups``: every group starts on a multiple of 16 rows; ``tuning``:
-    ``(load_batch, ctas_per_sm)`` of `QuantConfig` (default `SWIGLU_TUNING`'s)."""
+    ``(load_batch, ctas_per_sm[, joint dh tiles])`` of `QuantConfig` (default
+    `SWIGLU_TUNING`'s)."""
     return _activation_quant("quantize_swiglu", h, "rceil", offs, act_block, rows, cols, out,
                              "swiglu", h.shape[1] // 2, None, src, aligned_groups,
                              tuning or SWIGLU_TUNING["swiglu"])
@@ -193,7 +198,7 @@ def quantize_swiglu(h: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, *,
 def quantize_swiglu_grad(da: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
                          offs: torch.Tensor, *, rows: bool = True, cols: bool = True,
                          act_block: int = F.BLOCK_SIZE, aligned_groups: bool = False,
-                         out: dict | None = None, tuning: tuple[int, int] | None = None
+                         out: dict | None = None, tuning: tuple[int, ...] | None = None
                          ) -> list:
     """``dh = [dgate | dup] (M, 2H)``, the gradient of `quantize_swiglu`'s ``a`` for ``dA (M,
     H)`` (BF16, as PyTorch's autograd rounds it; zero where ``src < 0``), quantized in the same

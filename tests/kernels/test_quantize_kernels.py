@@ -91,6 +91,10 @@ COMPILE_SCRIPT = textwrap.dedent(
                                                        ctas_per_sm=3)))
             variants.append(("quantize_swiglu", C(dt, rnd, 2048, False, True, grouping="offs",
                                                   source="swiglu", ctas_per_sm=3)))
+            for ab in (32, 128):  # dh with joint gate/up tiles (the shipped backward)
+                variants.append(("quantize_swiglu_grad", C(
+                    dt, rnd, 4096, True, True, act_block=ab, grouping="offs", col_aligned=True,
+                    source="swiglu_grad", load_batch=2, joint_halves=True)))
             for ab in (32, 128):  # the dispatch and the combine's backward
                 variants.append(("quantize_gather", C(dt, rnd, 7168, True, True, act_block=ab,
                                                       grouping="offs", col_aligned=True,
@@ -113,7 +117,7 @@ def test_compile_all_variants(arch):
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled 178" in res.stdout
+    assert "compiled 180" in res.stdout
 
 
 SASS_SCRIPT = textwrap.dedent(
