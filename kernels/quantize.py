@@ -376,6 +376,24 @@ class TileQuantizer:
             self.cols_phase(q_col, s_col, smem_u, tok_begin, n_valid, bx_u * TILE_FEATURES,
                             bx_u, t, t_first, tiles_g, g, m, tid)
 
+    def vec_slot(self, it, tid):
+        """(tile row, 16-byte vector in the row) of this thread's ``it``-th vector: a warp covers
+        whole rows, 512 contiguous bytes per instruction."""
+        return (it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row,
+                tid % self.vecs_per_row)
+
+    @cute.jit
+    def row_slot(self, src, it, tid, tok_begin, n_valid, feat0, width):
+        """This thread's ``it``-th vector of a tile computed from the layout's rows: (tile row,
+        vector, its first feature, the sorted row, the row's source pair (0 on pad rows),
+        whether it holds data -- in the tile, features below ``width``, no pad row)."""
+        r, vec = self.vec_slot(it, tid)
+        feat = feat0 + vec * self.vec_elems
+        row = Int64(tok_begin) + r
+        pair = ld_global_b32(src.toint() + row * 4, Int32(r < n_valid), -1)
+        ok = Int32(r < n_valid) & Int32(feat < width) & Int32(pair >= 0)
+        return r, vec, feat, row, cutlass.max(pair, 0), ok
+
     @cute.jit
     def load_tile(self, x, tok_begin, n_valid, feat0, tid):
         """All of this thread's 16-byte vectors of the tile, issued back to back."""
@@ -425,17 +443,13 @@ class TileQuantizer:
         c = self.cfg
         grad = c.source == "swiglu_grad"
         hidden = c.k // 2 if grad else c.k  # H: the width of gate, up and dA
-        h_base, da_base, src_base = h.toint(), da.toint(), src.toint()
+        h_base, da_base = h.toint(), da.toint()
         words = []
-        batch = c.load_batch
-        for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, batch):
+        for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, c.load_batch):
             loads = []
-            for it in cutlass.range_constexpr(b0, b0 + batch):
-                r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
-                feat = feat0 + (tid % self.vecs_per_row) * self.vec_elems
-                tok = Int64(tok_begin) + r
-                in_tile = Int32(r < n_valid) & Int32(feat < c.k)
-                ok = in_tile & Int32(ld_global_b32(src_base + tok * 4, in_tile, -1) >= 0)
+            for it in cutlass.range_constexpr(b0, b0 + c.load_batch):
+                _, _, feat, tok, _, ok = self.row_slot(src, it, tid, tok_begin, n_valid, feat0,
+                                                       c.k)
                 # dh's feature f < H is dgate of gate feature f, else dup of feature f - H
                 is_up = Int32(0)
                 if const_expr(grad):
@@ -475,18 +489,13 @@ class TileQuantizer:
         lane sums its 8 features in order, then the row's 16 lanes by butterfly."""
         c = self.cfg
         combine = c.source == "combine_grad"
-        x_base, y_base, src_base = x.toint(), y.toint(), src.toint()
+        x_base, y_base = x.toint(), y.toint()
         words = []
         for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, c.load_batch):
             loads = []
             for it in cutlass.range_constexpr(b0, b0 + c.load_batch):
-                r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
-                feat = feat0 + (tid % self.vecs_per_row) * self.vec_elems
-                row = Int64(tok_begin) + r
-                in_tile = Int32(r < n_valid) & Int32(feat < c.k)
-                pair = ld_global_b32(src_base + row * 4, Int32(r < n_valid), -1)
-                ok = in_tile & Int32(pair >= 0)
-                pair = cutlass.max(pair, 0)
+                r, _, feat, row, pair, ok = self.row_slot(src, it, tid, tok_begin, n_valid,
+                                                          feat0, c.k)
                 tok = Int64(pair // c.top_k)
                 v = ld_global_v4(x_base + (tok * c.k + feat) * 2, ok)
                 w = Int32(0)
@@ -519,17 +528,13 @@ class TileQuantizer:
         in `stash_tile`'s layout at ``smem_u``) from one read of gate, up and dA."""
         c = self.cfg
         hidden = c.k // 2
-        h_base, da_base, src_base = h.toint(), da.toint(), src.toint()
+        h_base, da_base = h.toint(), da.toint()
         words = []
         for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, c.load_batch):
             loads = []
             for it in cutlass.range_constexpr(b0, b0 + c.load_batch):
-                r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
-                vec = tid % self.vecs_per_row
-                feat = feat0 + vec * self.vec_elems
-                tok = Int64(tok_begin) + r
-                in_tile = Int32(r < n_valid) & Int32(feat < hidden)
-                ok = in_tile & Int32(ld_global_b32(src_base + tok * 4, in_tile, -1) >= 0)
+                r, vec, feat, tok, _, ok = self.row_slot(src, it, tid, tok_begin, n_valid,
+                                                         feat0, hidden)
                 row = h_base + (tok * (2 * hidden) + feat) * 2
                 loads.append((ld_global_v4(row, ok), ld_global_v4(row + hidden * 2, ok),
                               ld_global_v4(da_base + (tok * hidden + feat) * 2, ok), r, vec))
@@ -549,8 +554,7 @@ class TileQuantizer:
         barrier needed)."""
         words = []
         for it in cutlass.range_constexpr(self.vecs_per_thread):
-            r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
-            vec = tid % self.vecs_per_row
+            r, vec = self.vec_slot(it, tid)
             words.extend(ld_shared_v4(smem + r * self.row_bytes + vec * VEC_BYTES))
         return words
 

@@ -60,15 +60,21 @@ def _assert_copies(got, ref, what):
             assert_mx_equal(got[i], ref[i], f"{what} {kind}")
 
 
+def _stage_cases(fn):
+    """GPU test over `_SHAPES`, both recipes and each choice of outputs."""
+    for mark in (pytest.mark.parametrize("outputs", ["both", "rows", "cols"]),
+                 pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"]),
+                 pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: _IDS(*s)),
+                 quantizer_gpu, pytest.mark.gpu):
+        fn = mark(fn)
+    return fn
+
+
 def _bf16(gen, *shape, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).cuda()
 
 
-@pytest.mark.gpu
-@quantizer_gpu
-@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: _IDS(*s))
-@pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
-@pytest.mark.parametrize("outputs", ["both", "rows", "cols"])
+@_stage_cases
 def test_gpu_swiglu_bit_exact(gen, shape, scale_blocks, outputs):
     """``a`` and ``dh`` quantized by the quantizer tile equal the references' quantization of
     PyTorch's BF16 ``silu(gate) * up`` and its autograd, byte for byte (data and scales), on
@@ -92,11 +98,7 @@ def test_gpu_swiglu_bit_exact(gen, shape, scale_blocks, outputs):
     _assert_copies(_as_mx(got, rows, cols, offs), ref, "swiglu backward")
 
 
-@pytest.mark.gpu
-@quantizer_gpu
-@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: _IDS(*s))
-@pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
-@pytest.mark.parametrize("outputs", ["both", "rows", "cols"])
+@_stage_cases
 def test_gpu_dispatch_and_combine_backward_bit_exact(gen, shape, scale_blocks, outputs):
     """The dispatch (token rows gathered) and the combine's backward (``dout[t] * bf16(w)``)
     quantized by the quantizer tile equal the references' bytes; the routing weights' gradient
