@@ -96,7 +96,10 @@ def _quantizer():
 
 
 def _int32(src: Tensor) -> Tensor:
-    """``src`` as the quantizer reads it: dense int32 (the layout allows int64 too)."""
+    """``src`` as the quantizer reads it: dense int32 (the layout allows int64 too; the layer's
+    is dense int32 already, returned as is without a dispatch)."""
+    if src.dtype == torch.int32 and src.is_contiguous():
+        return src
     return src.to(torch.int32).contiguous()
 
 
@@ -238,9 +241,13 @@ def swiglu_ref(h, src, offs, *, qrow=True, qcol=True, keep_bf16=False, scale_blo
 
 def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: bool = True,
            keep_bf16: bool = False, scale_blocks: str = "1x32", aligned_groups: bool = False,
-           table: Tensor | None = None, backend: str = "auto"):
+           table: Tensor | None = None, tile_ends: Tensor | None = None,
+           backend: str = "auto"):
     """``h = [gate | up] (M, 2H)`` BF16 -> ``a = silu(gate) * up`` as
-    ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, H) | None)``; pad rows 0."""
+    ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, H) | None)``; pad rows 0.
+    ``table`` / ``tile_ends``: the Triton kernels' `block_table` / the quantizer's tile ends of
+    these ``offs`` (`routing.row_tables`) where the caller has them (one per step), else
+    built here for the one that runs."""
     ablk = _check_rows("swiglu", h.shape[1] // 2, scale_blocks, qrow or qcol)
     check_layout("swiglu", h, h.shape[0], src=src, offs=offs)
     if not use_triton(h, backend):
@@ -250,7 +257,7 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
     if _swiglu_on_quantizer(h, ablk, qrow or qcol, keep_bf16):
         res = _quantizer().quantize_swiglu(h, _int32(src), kernel_offs(offs), rows=qrow,
                                            cols=qcol, act_block=ablk,
-                                           aligned_groups=aligned_groups)
+                                           aligned_groups=aligned_groups, tile_ends=tile_ends)
         return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, h.shape[1] // 2, offs.numel(), qrow, qcol, keep_bf16, h)
@@ -272,10 +279,11 @@ def swiglu_backward_ref(da, h, src, offs, *, qrow=True, qcol=True, keep_bf16=Fal
 def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True,
                     qcol: bool = True, keep_bf16: bool = False, scale_blocks: str = "1x32",
                     aligned_groups: bool = False, table: Tensor | None = None,
-                    backend: str = "auto"):
+                    tile_ends: Tensor | None = None, backend: str = "auto"):
     """Gradient of `swiglu`: ``dA (M, H)`` and the saved ``h`` -> ``dh = [dgate | dup]`` as
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, 2H) | None)`` in one pass (the
-    MXFP8 copies blocked along the whole 2H row, as the GEMMs read them)."""
+    MXFP8 copies blocked along the whole 2H row, as the GEMMs read them; ``table``,
+    ``tile_ends``: as `swiglu`'s)."""
     ablk = _check_rows("swiglu_backward", h.shape[1], scale_blocks, qrow or qcol)
     check_layout("swiglu_backward", h, h.shape[0], src=src, offs=offs)
     if not use_triton(h, backend):
@@ -285,7 +293,8 @@ def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: b
     if _swiglu_on_quantizer(h, ablk, qrow or qcol, keep_bf16) and da.dtype == BF16:
         res = _quantizer().quantize_swiglu_grad(da, h, _int32(src), kernel_offs(offs),
                                                 rows=qrow, cols=qcol, act_block=ablk,
-                                                aligned_groups=aligned_groups)
+                                                aligned_groups=aligned_groups,
+                                                tile_ends=tile_ends)
         return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, h.shape[1], offs.numel(), qrow, qcol, keep_bf16, h)

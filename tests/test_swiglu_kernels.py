@@ -154,9 +154,12 @@ def test_gpu_quantizer_swiglu_bit_exact(gen, shape, scale_blocks, outputs):
         if got[i] is not None or ref[i] is not None:
             assert_mx_equal(got[i], ref[i], what)
 
+    # the backward with the step's tile ends (`routing.row_tables`, as the layer passes them),
+    # the forward building its own
+    tile_ends = RT.row_tables(offs, m, ablk)[1]
     got = _as_mx(QL.quantize_swiglu_grad(da, h, src, offs,
                                          out=_poisoned_quantizer_outs(m, 2 * hh, e, "cuda"),
-                                         **flags), rows, cols, offs)
+                                         tile_ends=tile_ends, **flags), rows, cols, offs)
     ref = ST.swiglu_backward_ref(da, h, src, offs, qrow=rows, qcol=cols,
                                  scale_blocks=scale_blocks)
     for i, what in ((0, "swiglu backward rowwise"), (1, "swiglu backward colwise")):

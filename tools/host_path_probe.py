@@ -110,7 +110,11 @@ def gpu_host_path():
     patches = [
         (ST, "use_triton", lambda t, backend: backend != "reference"),
         (ST, "_triton_kernels", lambda: dpt),
-        (B, "kernel_backend_for", lambda device: "sm90"),  # backend="auto" resolves to sm90
+        # every device answers as an H100 with CuTeDSL: backend="auto" resolves to sm90 and the
+        # quantized SwiGLU stages run on the quantizer (`stages._swiglu_on_quantizer`)
+        (B, "device_capability", lambda device: (9, 0)),
+        (B, "cutedsl_available", lambda: True),
+        (ST, "cutedsl_available", lambda: True),
         (quantize_launch, "compile_quantizer", lambda op, config, arch=None, stream=None: kern),
         (quantize_launch, "current_stream", lambda device: stream),
         (launcher, "compile_config", lambda cls, config, options=None, stream=None, arch=None:
