@@ -247,8 +247,9 @@ def _launch_weights(w: torch.Tensor, rounding: str, block_rows: int, along_k: We
                              along_k is not None, along_n is not None)
     q_row, s_row = along_k or (None, None)
     q_col, s_col = along_n or (None, None)
-    _launch("quantize_weights", config, w.view(e * n, k), q_row, s_row, q_col, s_col, None, None,
-            e * n, e, 0, e * F.ceil_div(n, F.TILE_ROWS))
+    # ``w`` is contiguous: its address is that of the (E*N, K) matrix (no view op needed)
+    _launch("quantize_weights", config, w, q_row, s_row, q_col, s_col, None, None, e * n, e, 0,
+            e * F.ceil_div(n, F.TILE_ROWS))
 
 
 def quantize_weights_dual(w: torch.Tensor, *, rounding: str = "rceil", block_rows: int = 1,

@@ -133,12 +133,18 @@ def _table(table: Tensor | None, offs: Tensor, m: int, block: int) -> Tensor:
     return block_table(offs, m, block) if table is None else table
 
 
+def _fp8(data: Tensor) -> Tensor:
+    """MXFP8 data bytes as e4m3 (the Triton kernels' uint8 buffers viewed; the quantizer's are
+    e4m3 already, returned as they are: no view op)."""
+    return data if data.dtype == FP8 else data.view(FP8)
+
+
 def _wrap(outs: dict, offs: Tensor):
     row = col = None
     if "qrow" in outs:
-        row = MXFP8Tensor(outs["qrow"].view(FP8), outs["srow"], "packed", offs, "rows")
+        row = MXFP8Tensor(_fp8(outs["qrow"]), outs["srow"], "packed", offs, "rows")
     if "qcol" in outs:
-        col = MXFP8Tensor(outs["qcol"].view(FP8), outs["scol"], "packed", offs, "k")
+        col = MXFP8Tensor(_fp8(outs["qcol"]), outs["scol"], "packed", offs, "k")
     return row, col, outs.get("bf16")
 
 
