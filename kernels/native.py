@@ -29,8 +29,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 RUNTIME_LIB = "libcute_dsl_runtime.so"
 # dtype names of `Ptr` (torch's names) -> CuTeDSL's numeric types (`common.TORCH_TO_CUTLASS`)
@@ -41,8 +41,11 @@ CUTLASS_TYPE_NAMES = {
 ELF_MAGIC = b"\x7fELF"
 
 
-@dataclass(frozen=True)
-class Ptr:
+# Launch arguments are named tuples: made per argument of every launch, a frozen dataclass's
+# field-by-field ``__init__`` cost twice the time (measured)
+
+
+class Ptr(NamedTuple):
     """A device pointer argument: element dtype name (``"float8_e4m3fn"``, ``"uint8"``,
     ``"int32"``, ``"bfloat16"``, ...), address, assumed byte alignment."""
 
@@ -51,8 +54,7 @@ class Ptr:
     align: int = 16
 
 
-@dataclass(frozen=True)
-class Stream:
+class Stream(NamedTuple):
     """The CUDA stream argument (a ``cudaStream_t`` handle as an int)."""
 
     handle: int
