@@ -29,8 +29,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 RUNTIME_LIB = "libcute_dsl_runtime.so"
 # dtype names of `Ptr` (torch's names) -> CuTeDSL's numeric types (`common.TORCH_TO_CUTLASS`)
@@ -41,8 +41,11 @@ CUTLASS_TYPE_NAMES = {
 ELF_MAGIC = b"\x7fELF"
 
 
-@dataclass(frozen=True)
-class Ptr:
+# Launch arguments are named tuples: made per argument of every launch, a frozen dataclass's
+# field-by-field ``__init__`` cost twice the time (measured)
+
+
+class Ptr(NamedTuple):
     """A device pointer argument: element dtype name (``"float8_e4m3fn"``, ``"uint8"``,
     ``"int32"``, ``"bfloat16"``, ...), address, assumed byte alignment."""
 
@@ -51,8 +54,7 @@ class Ptr:
     align: int = 16
 
 
-@dataclass(frozen=True)
-class Stream:
+class Stream(NamedTuple):
     """The CUDA stream argument (a ``cudaStream_t`` handle as an int)."""
 
     handle: int
@@ -174,6 +176,25 @@ def _slot(a) -> int:
     raise TypeError(f"unsupported kernel argument {a!r}")
 
 
+_THREAD_CELLS = threading.local()
+
+
+def _launch_cells(n: int):
+    """This thread's ``n`` argument cells and the array of their addresses, made once per
+    ``n``: the launch reads them only during the call (which copies the arguments into the
+    launch), and a thread makes one call at a time."""
+    made = getattr(_THREAD_CELLS, "by_count", None)
+    if made is None:
+        made = _THREAD_CELLS.by_count = {}
+    pair = made.get(n)
+    if pair is None:
+        cells = (ctypes.c_uint64 * n)()
+        base = ctypes.addressof(cells)
+        addresses = (ctypes.c_void_p * n)(*range(base, base + SLOT_BYTES * n, SLOT_BYTES))
+        pair = made[n] = (cells, addresses)
+    return pair
+
+
 def _int32(v: int) -> int:
     v &= INT32_MASK
     return v - (1 << 32) if v >> 31 else v
@@ -233,13 +254,13 @@ class NativeKernel:
     def __call__(self, *args) -> None:
         if not self._loaded:
             self._ensure_loaded()
-        # one 8-byte cell per argument and one for the int32 CUDA result, in one ctypes array,
-        # and the array of the cells' addresses: two allocations per launch (a ctypes object
-        # and a pointer cast per argument cost 10x the host time, measured)
+        # one 8-byte cell per argument and one for the int32 CUDA result, written into this
+        # thread's cells for the argument count (a ctypes object and a pointer cast per
+        # argument cost 10x the host time; two new ctypes arrays per launch, 2x; measured)
         n = len(args) + 1
-        cells = (ctypes.c_uint64 * n)(*map(_slot, args), 0)
-        base = ctypes.addressof(cells)
-        self._entry((ctypes.c_void_p * n)(*range(base, base + SLOT_BYTES * n, SLOT_BYTES)), n)
+        cells, addresses = _launch_cells(n)
+        cells[:] = [*map(_slot, args), 0]
+        self._entry(addresses, n)
         _check(_int32(cells[n - 1]), "launching the kernel")
 
 

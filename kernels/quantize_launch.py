@@ -52,17 +52,27 @@ def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None, str
 # ---------------------------------------------------------------------------------------------
 
 
-def _group_tables(offs: torch.Tensor | None, m: int):
-    """(number of groups, int32 cumulative tile ends on the device, search steps, tiles bound).
-
-    Only device ops on ``offs``: nothing reads its values on the host.
-    """
-    if offs is None:
-        return 1, None, 0, F.ceil_div(m, F.TILE_ROWS)
+def group_tile_ends(offs: torch.Tensor) -> torch.Tensor:
+    """The grouped quantizers' tile table: int32 ``(E,)`` cumulative counts of the 128-row
+    tiles of the groups ending at ``offs`` (each group's tiles start a new tile). Only device
+    ops: nothing reads ``offs``' values on the host."""
     o = offs.to(torch.int32)
     sizes = torch.diff(o, prepend=o.new_zeros(1))
-    tile_ends = torch.cumsum((sizes + (F.TILE_ROWS - 1)) // F.TILE_ROWS, 0, dtype=torch.int32)
+    return torch.cumsum((sizes + (F.TILE_ROWS - 1)) // F.TILE_ROWS, 0, dtype=torch.int32)
+
+
+def _group_tables(offs: torch.Tensor | None, m: int, tile_ends: torch.Tensor | None = None):
+    """(number of groups, int32 cumulative tile ends on the device, search steps, tiles bound);
+    ``tile_ends``: `group_tile_ends` of ``offs`` where the caller has it (one per step)."""
+    if offs is None:
+        return 1, None, 0, F.ceil_div(m, F.TILE_ROWS)
     g = offs.numel()
+    if tile_ends is None:
+        tile_ends = group_tile_ends(offs)
+    elif tile_ends.dtype != torch.int32 or tile_ends.shape != (g,) or not tile_ends.is_contiguous():
+        raise ValueError(f"tile_ends must be a contiguous int32 tensor of shape ({g},) "
+                         f"(group_tile_ends of offs), got {tile_ends.dtype} "
+                         f"{tuple(tile_ends.shape)}")
     return g, tile_ends, g.bit_length(), F.grouped_row_tiles_bound(m, g)
 
 
@@ -130,13 +140,14 @@ def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
 
 def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out, source="x",
                       k=None, aux=None, src=None, aligned_groups=False, tuning=(4, 0, False),
-                      m=None, top_k=1, wts=None, part=None):
+                      tile_ends=None, m=None, top_k=1, wts=None, part=None):
     """``x (M, K)`` (or, for the other sources, ``m`` rows of ``k`` output features computed
     from ``x``, ``aux``, ``src``, ``wts``) quantized by ``op``; ``aligned_groups``: every
-    ``offs`` group starts on a multiple of 16 rows."""
+    ``offs`` group starts on a multiple of 16 rows; ``tile_ends``: `group_tile_ends` of
+    ``offs``, or None to build it here."""
     m = x.shape[0] if m is None else m
     k = x.shape[1] if k is None else k
-    n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m)
+    n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m, tile_ends)
     bufs = _alloc_outputs(m, k, x.device, offs, rows, cols, out)
     aligned = m % VEC_BYTES == 0 and (offs is None or aligned_groups)
     batch, ctas, joint = (tuple(tuning) + (False,))[:3]
@@ -183,47 +194,51 @@ def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
 def quantize_swiglu(h: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, *,
                     rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
                     aligned_groups: bool = False, out: dict | None = None,
-                    tuning: tuple[int, ...] | None = None) -> list:
+                    tuning: tuple[int, ...] | None = None,
+                    tile_ends: torch.Tensor | None = None) -> list:
     """``a = silu(gate) * up`` of ``h = [gate | up] (M, 2H)`` (BF16, PyTorch's roundings; zero
     where ``src < 0``) quantized in the same pass, rows grouped by ``offs``: [(rowwise data,
     scales)] and/or [(columnwise data, scales)] -- `moe_mxfp8.stages.swiglu_ref`'s MXFP8
     copies. ``aligned_groups``: every group starts on a multiple of 16 rows; ``tuning``:
     ``(load_batch, ctas_per_sm[, joint dh tiles])`` of `QuantConfig` (default
-    `SWIGLU_TUNING`'s)."""
+    `SWIGLU_TUNING`'s); ``tile_ends``: `group_tile_ends` of ``offs`` where the caller has it
+    (built once per step for the row stages), else built here."""
     return _activation_quant("quantize_swiglu", h, "rceil", offs, act_block, rows, cols, out,
                              "swiglu", h.shape[1] // 2, None, src, aligned_groups,
-                             tuning or SWIGLU_TUNING["swiglu"])
+                             tuning or SWIGLU_TUNING["swiglu"], tile_ends)
 
 
 def quantize_swiglu_grad(da: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
                          offs: torch.Tensor, *, rows: bool = True, cols: bool = True,
                          act_block: int = F.BLOCK_SIZE, aligned_groups: bool = False,
-                         out: dict | None = None, tuning: tuple[int, ...] | None = None
-                         ) -> list:
+                         out: dict | None = None, tuning: tuple[int, ...] | None = None,
+                         tile_ends: torch.Tensor | None = None) -> list:
     """``dh = [dgate | dup] (M, 2H)``, the gradient of `quantize_swiglu`'s ``a`` for ``dA (M,
     H)`` (BF16, as PyTorch's autograd rounds it; zero where ``src < 0``), quantized in the same
-    pass: `moe_mxfp8.stages.swiglu_backward_ref`'s MXFP8 copies."""
+    pass: `moe_mxfp8.stages.swiglu_backward_ref`'s MXFP8 copies (``tile_ends``: as there)."""
     return _activation_quant("quantize_swiglu_grad", h, "rceil", offs, act_block, rows, cols,
                              out, "swiglu_grad", h.shape[1], da, src, aligned_groups,
-                             tuning or SWIGLU_TUNING["swiglu_grad"])
+                             tuning or SWIGLU_TUNING["swiglu_grad"], tile_ends)
 
 
 def quantize_gather(x: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, top_k: int, *,
                     rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
-                    aligned_groups: bool = False, out: dict | None = None) -> list:
+                    aligned_groups: bool = False, out: dict | None = None,
+                    tile_ends: torch.Tensor | None = None) -> list:
     """The dispatch: row r of the sorted buffer (``M = src.numel()`` rows) is token ``src[r] //
     top_k`` of ``x (T, D)`` (BF16; zero where ``src < 0``), quantized in the same pass:
     `moe_mxfp8.stages.dispatch_ref`'s MXFP8 copies."""
     return _activation_quant("quantize_gather", x, "rceil", offs, act_block, rows, cols, out,
                              "gather", x.shape[1], None, src, aligned_groups,
-                             ROUTED_TUNING, src.numel(), top_k)
+                             ROUTED_TUNING, tile_ends, src.numel(), top_k)
 
 
 def quantize_combine_grad(dout: torch.Tensor, y: torch.Tensor, src: torch.Tensor,
                           weights: torch.Tensor, offs: torch.Tensor, top_k: int, *,
                           rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
                           aligned_groups: bool = False, part: torch.Tensor | None = None,
-                          out: dict | None = None) -> list:
+                          out: dict | None = None, tile_ends: torch.Tensor | None = None
+                          ) -> list:
     """The combine's backward: row r is ``bf16(dout[t] * bf16(weights[p]))`` for its pair ``p
     = src[r]`` of token ``t = p // top_k`` (zero where ``src < 0``), quantized in the same pass
     (`moe_mxfp8.stages.combine_backward_ref`'s MXFP8 copies); ``weights``: fp32, one per pair.
@@ -231,7 +246,7 @@ def quantize_combine_grad(dout: torch.Tensor, y: torch.Tensor, src: torch.Tensor
     128-feature tile of ``bf16(dout[t] * y[r])``, the routing weight's gradient by parts."""
     return _activation_quant("quantize_combine_grad", dout, "rceil", offs, act_block, rows, cols,
                              out, "combine_grad", dout.shape[1], y, src, aligned_groups,
-                             ROUTED_TUNING, src.numel(), top_k, weights, part)
+                             ROUTED_TUNING, tile_ends, src.numel(), top_k, weights, part)
 
 
 # one GEMM operand of the weight quantizer: (e4m3 data, packed scales), or None where not wanted
@@ -269,8 +284,9 @@ def _launch_weights(w: torch.Tensor, rounding: str, block_rows: int, along_k: We
                              along_k is not None, along_n is not None)
     q_row, s_row = along_k or (None, None)
     q_col, s_col = along_n or (None, None)
-    _launch("quantize_weights", config, w.view(e * n, k), q_row, s_row, q_col, s_col, None, None,
-            e * n, e, 0, e * F.ceil_div(n, F.TILE_ROWS))
+    # ``w`` is contiguous: its address is that of the (E*N, K) matrix (no view op needed)
+    _launch("quantize_weights", config, w, q_row, s_row, q_col, s_col, None, None, e * n, e, 0,
+            e * F.ceil_div(n, F.TILE_ROWS))
 
 
 def quantize_weights_dual(w: torch.Tensor, *, rounding: str = "rceil", block_rows: int = 1,

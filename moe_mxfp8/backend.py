@@ -60,10 +60,21 @@ def kernel_backend_for(device: torch.device) -> str | None:
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """The compute capability of a CUDA ``device``, None for any other device (one place, so
-    tests can stand in for a GPU)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    tests can stand in for a GPU). Asked once per GPU index: `resolve_backend` asks at every
+    quantizer and GEMM call (about ten a step), and torch's query is a properties lookup each
+    time; a test that stands in for a GPU starts from an empty cache (tests/conftest.py)."""
+    if device.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)
+    if device.index is None:  # "cuda": whichever device is current, asked anew
+        return _ask_capability(None)
+    return _capability_of_index(device.index)
+
+
+def _ask_capability(index: int | None) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(index) if torch.cuda.is_available() else None
+
+
+_capability_of_index = functools.cache(_ask_capability)
 
 
 def device_kind(device: torch.device | str) -> str:

@@ -37,7 +37,7 @@ from .kernels.mx_format import ACT_BLOCK, WEIGHT_BLOCK_ROWS
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_weights
-from .routing import block_table, check_layout, numel_of
+from .routing import check_layout, numel_of, row_tables
 
 BF16 = torch.bfloat16
 
@@ -68,9 +68,13 @@ def _u8(t: MXFP8Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
     return t.data.view(torch.uint8), t.scale
 
 
-def _step_table(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend: str):
-    """The row kernels' `block_table`, built once per pass (None where the references run)."""
-    return block_table(offs, m, ACT_BLOCK[scale_blocks]) if ST.use_triton(like, backend) else None
+def _step_tables(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend: str
+                 ) -> tuple[Tensor | None, Tensor | None]:
+    """The row kernels' `block_table` and the quantizer's tile ends (`routing.row_tables`),
+    built once per step ((None, None) where the references run)."""
+    if not ST.use_triton(like, backend):
+        return None, None
+    return row_tables(offs, m, ACT_BLOCK[scale_blocks])
 
 
 def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str,
@@ -84,17 +88,20 @@ def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str,
 
 
 # The ops' optional trailing inputs (plain optional tensors: a tensor list would route every call
-# through torch.library's pytree wrapper). ``table``: the step's `block_table`, built once by
-# `routed_experts` for both passes (else each pass builds it: some 30 small device ops each);
-# ``gu_k ... dn_n_scale``: `routed_experts`' ``weights_q`` as uint8 data and scales, gate_up
-# (gu) and down (dn) along K (forward) and along N (kept for backward).
+# through torch.library's pytree wrapper). ``table``, ``tile_ends``: the step's `block_table`
+# and the quantizer's tile ends (`routing.row_tables`), built once by `routed_experts` for both
+# passes (else each pass builds them: some 30 small device ops each; the SwiGLU stages on the
+# quantizer read the tile ends); ``gu_k ... dn_n_scale``: `routed_experts`' ``weights_q`` as
+# uint8 data and scales, gate_up (gu) and down (dn) along K (forward) and along N (kept for
+# backward).
 
 
 @define_op("moe_mxfp8::routed_experts_fwd")
 def _routed_experts_fwd(
     x: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
     offs: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, save: bool,
-    table: Tensor | None = None, gu_k: Tensor | None = None, gu_k_scale: Tensor | None = None,
+    table: Tensor | None = None, tile_ends: Tensor | None = None,
+    gu_k: Tensor | None = None, gu_k_scale: Tensor | None = None,
     dn_k: Tensor | None = None, dn_k_scale: Tensor | None = None,
     gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
     dn_n: Tensor | None = None, dn_n_scale: Tensor | None = None,
@@ -105,25 +112,28 @@ def _routed_experts_fwd(
     mx, qcol, keep = _modes(precision, wgrad, save)
     top_k = rows.shape[1]
     sb = scale_blocks if mx else "1x32"  # BF16 twin: nothing quantized, 32-row programs
-    tbl = _step_table(x, offs, src.numel(), sb, backend) if table is None else table
+    if table is None:  # called on its own: this pass builds the step's tables
+        table, tile_ends = _step_tables(x, offs, src.numel(), sb, backend)
     if mx:
         # MXFP8: groups start on multiples of 16 rows (the contract of this op, see
         # `routed_experts`; the wgrad GEMMs rely on it too)
         xr, xc, xb = ST.dispatch(x, src, offs, top_k, qrow=True, qcol=qcol, keep_bf16=keep,
-                              scale_blocks=sb, aligned_groups=True, table=tbl, backend=backend)
+                              scale_blocks=sb, aligned_groups=True, table=table,
+                              tile_ends=tile_ends, backend=backend)
         h = grouped_mm_m(xr, _weights_q(w_gate_up, "K", sb, backend, gu_k, gu_k_scale), offs,
                          out_dtype=BF16, backend=backend)
         del xr
         ar, ac, ab = ST.swiglu(h, src, offs, qrow=True, qcol=qcol, keep_bf16=keep, scale_blocks=sb,
-                            aligned_groups=True, table=tbl, backend=backend)
+                            aligned_groups=True, table=table, tile_ends=tile_ends,
+                            backend=backend)
         y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend, dn_k, dn_k_scale), offs,
                          out_dtype=BF16, backend=backend)
         del ar
     else:
         _, _, xb = ST.dispatch(x, src, offs, top_k, qrow=False, qcol=False, keep_bf16=True,
-                            table=tbl, backend=backend)
+                            table=table, backend=backend)
         h = torch._grouped_mm(xb, w_gate_up.transpose(-2, -1), offs=offs)
-        _, _, ab = ST.swiglu(h, src, offs, qrow=False, qcol=False, keep_bf16=True, table=tbl,
+        _, _, ab = ST.swiglu(h, src, offs, qrow=False, qcol=False, keep_bf16=True, table=table,
                           backend=backend)
         y = torch._grouped_mm(ab, w_down.transpose(-2, -1), offs=offs)
         xc = ac = None
@@ -139,9 +149,9 @@ def _routed_experts_fwd(
 
 @_routed_experts_fwd.register_fake
 def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, precision, backend,
-                             wgrad, scale_blocks, save, table=None, gu_k=None, gu_k_scale=None,
-                             dn_k=None, dn_k_scale=None, gu_n=None, gu_n_scale=None, dn_n=None,
-                             dn_n_scale=None):
+                             wgrad, scale_blocks, save, table=None, tile_ends=None, gu_k=None,
+                             gu_k_scale=None, dn_k=None, dn_k_scale=None, gu_n=None,
+                             gu_n_scale=None, dn_n=None, dn_n_scale=None):
     t, d = x.shape
     e, h2, _ = w_gate_up.shape
     m = src.numel()
@@ -179,12 +189,12 @@ def _routed_experts_bwd(
     offs: Tensor, sx: Tensor, sx_scale: Tensor, h: Tensor, sa: Tensor, sa_scale: Tensor,
     y: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, need_dx: bool,
     need_dw: bool, need_dweights: bool, table: Tensor | None = None,
-    gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
+    tile_ends: Tensor | None = None, gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
     dn_n: Tensor | None = None, dn_n_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx (T, D), dw_gate_up (E, 2H, D), dw_down (E, D, H), dweights (T, k) fp32)``;
-    an unneeded one is empty. The optional inputs: the step's block table and the forward's
-    N-axis weights (see `_routed_experts_fwd`)."""
+    an unneeded one is empty. The optional inputs: the step's tables and the forward's N-axis
+    weights (see `_routed_experts_fwd`)."""
     mx, qcol, _ = _modes(precision, wgrad, True)
     keep = need_dw and not qcol
     qcol = need_dw and qcol
@@ -194,11 +204,12 @@ def _routed_experts_bwd(
     dx = dwgu = dwdn = None  # as computed; `_results` returns the unneeded ones empty
     chain = need_dx or need_dw
     sb = scale_blocks if mx else "1x32"
-    tbl = _step_table(dout, offs, src.numel(), sb, backend) if table is None else table
+    if table is None:  # called on its own: this pass builds the step's tables
+        table, tile_ends = _step_tables(dout, offs, src.numel(), sb, backend)
     dyr, dyc, dyb, dwts = ST.combine_backward(
         dout, y, src, rows, weights, offs, qrow=mx and chain, qcol=qcol,
         keep_bf16=(not mx and chain) or keep, need_dw=need_dweights, scale_blocks=sb,
-        aligned_groups=mx, table=tbl, backend=backend)
+        aligned_groups=mx, table=table, tile_ends=tile_ends, backend=backend)
     if not chain:
         return _results(dout, dx, dwgu, dwdn, dwts)
     # The down projection's weight gradient right away, or after the gate/up GEMMs: whichever
@@ -217,7 +228,7 @@ def _routed_experts_bwd(
             del dyc, dyb
         dhr, dhc, dhb = ST.swiglu_backward(da, h, src, offs, qrow=need_dx, qcol=qcol,
                                         keep_bf16=keep, scale_blocks=sb, aligned_groups=True,
-                                        table=tbl, backend=backend)
+                                        table=table, tile_ends=tile_ends, backend=backend)
         del da
         # dgrad before wgrad: dx is small, and its temporaries (the N-axis weights, the sorted
         # dX rows, dh's rowwise copy) are freed before the (E, 2H, D) weight gradient exists
@@ -239,7 +250,7 @@ def _routed_experts_bwd(
                 dwdn = torch._grouped_mm(dyb.t(), sa.view(BF16), offs=offs)
             del dyb
         _, _, dh = ST.swiglu_backward(da, h, src, offs, qrow=False, qcol=False, keep_bf16=True,
-                                   table=tbl, backend=backend)
+                                   table=table, backend=backend)
         del da
         if need_dx:  # dgrad before wgrad, as above
             dxs = torch._grouped_mm(dh, w_gate_up, offs=offs)
@@ -255,17 +266,17 @@ def _routed_experts_bwd(
 
 def _results(like: Tensor, dx, dwgu, dwdn, dwts) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`_routed_experts_bwd`'s results, an unneeded one (None) as an empty tensor."""
-    def fill(g, dt) -> Tensor:
-        return _empty(like, dt) if g is None else g
+    def given(g: Tensor | None, dtype: torch.dtype) -> Tensor:
+        return _empty(like, dtype) if g is None else g
 
-    return fill(dx, BF16), fill(dwgu, BF16), fill(dwdn, BF16), fill(dwts, torch.float32)
+    return given(dx, BF16), given(dwgu, BF16), given(dwdn, BF16), given(dwts, torch.float32)
 
 
 @_routed_experts_bwd.register_fake
 def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, sx, sx_scale, h,
                              sa, sa_scale, y, precision, backend, wgrad, scale_blocks, need_dx,
-                             need_dw, need_dweights, table=None, gu_n=None, gu_n_scale=None,
-                             dn_n=None, dn_n_scale=None):
+                             need_dw, need_dweights, table=None, tile_ends=None, gu_n=None,
+                             gu_n_scale=None, dn_n=None, dn_n_scale=None):
     t, k = rows.shape
     dx = dout.new_empty(t, dout.shape[1], dtype=BF16) if need_dx else _empty(dout, BF16)
     dwgu = w_gate_up.new_empty(w_gate_up.shape, dtype=BF16) if need_dw else _empty(dout, BF16)
@@ -275,14 +286,15 @@ def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, 
     return dx, dwgu, dwdn, dwts
 
 
-N_SAVED = 12  # tensors `_setup_context` saves before the optional ones (N-axis weights, table)
+N_SAVED = 12  # tensors `_setup_context` saves before the optional ones (N-axis weights, tables)
+N_OPTIONAL = 10  # the forward op's optional trailing inputs
 
 
 def _setup_context(ctx, inputs, output) -> None:
     (_, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, scale_blocks,
      _, *extra) = inputs
-    padded: list = [*extra, *[None] * (9 - len(extra))]
-    table, _, _, _, _, *weights_n = padded
+    padded: list = [*extra, *[None] * (N_OPTIONAL - len(extra))]
+    table, tile_ends, _, _, _, _, *weights_n = padded
     _, sx, sxs, h, sa, sas, y = output
     ctx.cfg = (precision, backend, wgrad, scale_blocks)
     # backward returns one entry per argument autograd saw: the dispatcher drops the trailing
@@ -296,9 +308,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     weights_n = [t for t in weights_n if t is not None]  # pre-quantized: backward's operands
     ctx.n_weights_n = len(weights_n)
-    ctx.has_table = table is not None
+    ctx.has_tables = (table is not None, tile_ends is not None)
     ctx.save_for_backward(w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y,
-                          *weights_n, *([table] if ctx.has_table else []))
+                          *weights_n, *[t for t in (table, tile_ends) if t is not None])
 
 
 def _backward(ctx, dout, *_unused):
@@ -307,9 +319,11 @@ def _backward(ctx, dout, *_unused):
     need_dwts = ctx.needs_input_grad[3]
     saved = ctx.saved_tensors
     weights_n = saved[N_SAVED:N_SAVED + ctx.n_weights_n]
-    table = saved[-1] if ctx.has_table else None
+    tables = iter(saved[N_SAVED + ctx.n_weights_n:])
+    table, tile_ends = (next(tables) if has else None for has in ctx.has_tables)
     dx, dwgu, dwdn, dwts = torch.ops.moe_mxfp8.routed_experts_bwd(
-        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, table, *weights_n)
+        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, table, tile_ends,
+        *weights_n)
     return (
         dx if need_dx else None,
         dwgu if ctx.needs_input_grad[1] else None,
@@ -381,10 +395,10 @@ def routed_experts(
         wq = tuple(v for t in weights_q for v in (t.data.view(torch.uint8), t.scale))
     save = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
-    # the row kernels' block table, once for forward and backward (None: the references run)
-    table = _step_table(x, offs, src.numel(), scale_blocks if precision == "mxfp8" else "1x32",
-                        backend)
+    # the step's tables, once for forward and backward (None: the references run)
+    table, tile_ends = _step_tables(x, offs, src.numel(),
+                                    scale_blocks if precision == "mxfp8" else "1x32", backend)
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
-        scale_blocks, save, table, *wq)[0]
+        scale_blocks, save, table, tile_ends, *wq)[0]
     return out

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import checks as C
 from . import datapath as DP
 from . import routing as RT
 from .backend import AUTO, AutoScaleBlocks
@@ -138,6 +139,10 @@ class MXFP8GroupedExperts(nn.Module):
                 f"MXFP8GroupedExperts: num_tokens_per_expert must be ({e},), got "
                 f"{tuple(num_tokens_per_expert.shape)}"
             )
+        # the values only where reading them costs no device sync (a CUDA count stays there)
+        if C.values_on_host(num_tokens_per_expert) and bool((num_tokens_per_expert < 0).any()):
+            raise ValueError(f"MXFP8GroupedExperts: num_tokens_per_expert must be non-negative, "
+                             f"got {num_tokens_per_expert.tolist()}")
         m = x.shape[0]
         ends = torch.cumsum(num_tokens_per_expert.to(torch.int64), dim=0)
         # the groups' row bounds; the last runs to M (torchtitan's padding rows, module doc)

@@ -15,6 +15,8 @@ Nothing here synchronises with the host.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import reference
@@ -23,9 +25,10 @@ from .kernels.grouped_gemm import problem
 from .mx_tensor import MXFP8Tensor
 
 
+@functools.cache
 def _host_class(backend: str):
     """The grouped GEMM host class of a kernel backend (no CuTeDSL import: the launcher
-    imports the kernel class only where it compiles one)."""
+    imports the kernel class only where it compiles one); looked up once per backend."""
     if backend == "sm90":
         from .kernels.grouped_gemm.sm90_config import GroupedGemmSm90Host
 

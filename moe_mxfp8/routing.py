@@ -137,6 +137,13 @@ def block_table(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> Tensor:
     """int32 ``(ceil-bound, 6)`` table of the ``block``-row blocks of the sorted buffer (blocks
     restart at each group; ``block`` the activation block length, 32 or 128):
     ``rs, re, prow0, tiles, lblk, nblk`` (see `kernels.datapath_triton`)."""
+    return row_tables(offs, m, block)[0]
+
+
+def row_tables(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> tuple[Tensor, Tensor]:
+    """The step's tables of the sorted buffer's rows, from one pass: `block_table` and the
+    groups' cumulative 128-row tile ends (int32 ``(E,)``, the grouped quantizers' table,
+    `kernels.quantize_launch.group_tile_ends`; the block table counts the same tiles)."""
     e = offs.numel()
     nb_bound = (m + (block - 1) * e) // block
     ends = offs.to(torch.int64)
@@ -145,7 +152,8 @@ def block_table(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> Tensor:
     nblk = (sizes + (block - 1)) // block
     cum = torch.cumsum(nblk, 0)
     tiles = (sizes + (L.TILE_ROWS - 1)) // L.TILE_ROWS
-    tiles_before = torch.cumsum(tiles, 0) - tiles
+    tile_ends = torch.cumsum(tiles, 0, dtype=torch.int32)
+    tiles_before = tile_ends - tiles
     j = torch.arange(nb_bound, device=offs.device)
     g = torch.searchsorted(cum, j, right=True)
     valid = g < e
@@ -157,4 +165,4 @@ def block_table(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> Tensor:
     before = tiles_before[g]
     prow0 = before * L.TILE_ROWS - start
     tbl = torch.stack([rs, re, prow0, before, lblk, nblk[g]], 1)
-    return tbl.to(torch.int32)
+    return tbl.to(torch.int32), tile_ends

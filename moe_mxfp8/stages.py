@@ -101,7 +101,10 @@ def _quantizer():
 
 
 def _int32(src: Tensor) -> Tensor:
-    """``src`` as the quantizer reads it: dense int32 (the layout allows int64 too)."""
+    """``src`` as the quantizer reads it: dense int32 (the layout allows int64 too; the layer's
+    is dense int32 already, returned as is without a dispatch)."""
+    if src.dtype == torch.int32 and src.is_contiguous():
+        return src
     return src.to(torch.int32).contiguous()
 
 
@@ -135,12 +138,18 @@ def _table(table: Tensor | None, offs: Tensor, m: int, block: int) -> Tensor:
     return block_table(offs, m, block) if table is None else table
 
 
+def _fp8(data: Tensor) -> Tensor:
+    """MXFP8 data bytes as e4m3 (the Triton kernels' uint8 buffers viewed; the quantizer's are
+    e4m3 already, returned as they are: no view op)."""
+    return data if data.dtype == FP8 else data.view(FP8)
+
+
 def _wrap(outs: dict, offs: Tensor):
     row = col = None
     if "qrow" in outs:
-        row = MXFP8Tensor(outs["qrow"].view(FP8), outs["srow"], "packed", offs, "rows")
+        row = MXFP8Tensor(_fp8(outs["qrow"]), outs["srow"], "packed", offs, "rows")
     if "qcol" in outs:
-        col = MXFP8Tensor(outs["qcol"].view(FP8), outs["scol"], "packed", offs, "k")
+        col = MXFP8Tensor(_fp8(outs["qcol"]), outs["scol"], "packed", offs, "k")
     return row, col, outs.get("bf16")
 
 
@@ -188,7 +197,8 @@ def dispatch_ref(x, src, offs, top_k, *, qrow=True, qcol=True, keep_bf16=False,
 
 def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = True,
              qcol: bool = True, keep_bf16: bool = False, scale_blocks: str = "1x32",
-             aligned_groups: bool = False, table: Tensor | None = None, backend: str = "auto"):
+             aligned_groups: bool = False, table: Tensor | None = None,
+             tile_ends: Tensor | None = None, backend: str = "auto"):
     """Gather ``x (T, D)`` into the sorted buffer (``M = src.numel()`` rows, zero pad rows):
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, D) | None)`` from one read;
     the MXFP8 copies in the activation blocks of ``scale_blocks`` (32, or 128 for "1x128").
@@ -196,7 +206,8 @@ def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = T
     ``aligned_groups`` (here and in the other row stages): the caller promises that every
     group starts on a multiple of 16 rows (`route_layout` with ``align % 16 == 0``); the
     kernels then write the columnwise copy in 16-byte stores. ``table``: the `block_table` of
-    ``(offs, M, block)`` where the caller already has it (one per step)."""
+    ``(offs, M, block)`` where the caller already has it (one per step); ``tile_ends``: the
+    quantizer's (`swiglu`)."""
     ablk = _check_rows("dispatch", x.shape[1], scale_blocks, qrow or qcol)
     check_layout("dispatch", x, numel_of(src), src=src, offs=offs, pairs=x.shape[0] * top_k)
     if not use_triton(x, backend):
@@ -206,7 +217,7 @@ def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = T
     if _on_quantizer("dispatch", x, ablk, qrow or qcol, keep_bf16):
         res = _quantizer().quantize_gather(x, _int32(src), kernel_offs(offs), top_k, rows=qrow,
                                            cols=qcol, act_block=ablk,
-                                           aligned_groups=aligned_groups)
+                                           aligned_groups=aligned_groups, tile_ends=tile_ends)
         return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, x.shape[1], offs.numel(), qrow, qcol, keep_bf16, x)
@@ -248,9 +259,13 @@ def swiglu_ref(h, src, offs, *, qrow=True, qcol=True, keep_bf16=False, scale_blo
 
 def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: bool = True,
            keep_bf16: bool = False, scale_blocks: str = "1x32", aligned_groups: bool = False,
-           table: Tensor | None = None, backend: str = "auto"):
+           table: Tensor | None = None, tile_ends: Tensor | None = None,
+           backend: str = "auto"):
     """``h = [gate | up] (M, 2H)`` BF16 -> ``a = silu(gate) * up`` as
-    ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, H) | None)``; pad rows 0."""
+    ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, H) | None)``; pad rows 0.
+    ``table`` / ``tile_ends``: the Triton kernels' `block_table` / the quantizer's tile ends of
+    these ``offs`` (`routing.row_tables`) where the caller has them (one per step), else
+    built here for the one that runs."""
     ablk = _check_rows("swiglu", h.shape[1] // 2, scale_blocks, qrow or qcol)
     check_layout("swiglu", h, h.shape[0], src=src, offs=offs)
     if not use_triton(h, backend):
@@ -260,7 +275,7 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
     if _on_quantizer("swiglu", h, ablk, qrow or qcol, keep_bf16):
         res = _quantizer().quantize_swiglu(h, _int32(src), kernel_offs(offs), rows=qrow,
                                            cols=qcol, act_block=ablk,
-                                           aligned_groups=aligned_groups)
+                                           aligned_groups=aligned_groups, tile_ends=tile_ends)
         return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, h.shape[1] // 2, offs.numel(), qrow, qcol, keep_bf16, h)
@@ -282,10 +297,11 @@ def swiglu_backward_ref(da, h, src, offs, *, qrow=True, qcol=True, keep_bf16=Fal
 def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True,
                     qcol: bool = True, keep_bf16: bool = False, scale_blocks: str = "1x32",
                     aligned_groups: bool = False, table: Tensor | None = None,
-                    backend: str = "auto"):
+                    tile_ends: Tensor | None = None, backend: str = "auto"):
     """Gradient of `swiglu`: ``dA (M, H)`` and the saved ``h`` -> ``dh = [dgate | dup]`` as
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, 2H) | None)`` in one pass (the
-    MXFP8 copies blocked along the whole 2H row, as the GEMMs read them)."""
+    MXFP8 copies blocked along the whole 2H row, as the GEMMs read them; ``table``,
+    ``tile_ends``: as `swiglu`'s)."""
     ablk = _check_rows("swiglu_backward", h.shape[1], scale_blocks, qrow or qcol)
     check_layout("swiglu_backward", h, h.shape[0], src=src, offs=offs)
     if not use_triton(h, backend):
@@ -295,7 +311,8 @@ def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: b
     if _on_quantizer("swiglu", h, ablk, qrow or qcol, keep_bf16) and da.dtype == BF16:
         res = _quantizer().quantize_swiglu_grad(da, h, _int32(src), kernel_offs(offs),
                                                 rows=qrow, cols=qcol, act_block=ablk,
-                                                aligned_groups=aligned_groups)
+                                                aligned_groups=aligned_groups,
+                                                tile_ends=tile_ends)
         return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, h.shape[1], offs.numel(), qrow, qcol, keep_bf16, h)
@@ -346,11 +363,11 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
                      offs: Tensor, *, qrow: bool = True, qcol: bool = True,
                      keep_bf16: bool = False, need_dw: bool = True, scale_blocks: str = "1x32",
                      aligned_groups: bool = False, table: Tensor | None = None,
-                     backend: str = "auto"):
+                     tile_ends: Tensor | None = None, backend: str = "auto"):
     """Gradient of `combine` in one pass over the sorted rows: ``dY`` as ``(rowwise MXFP8 |
     None, columnwise MXFP8 | None, BF16 (M, D) | None)`` (pad rows 0) and the routing-weight
     gradient ``(T, k)`` fp32 (or None): per-row partial sums over feature tiles, then summed
-    over the tiles in a fixed order (no atomics)."""
+    over the tiles in a fixed order (no atomics). ``table`` / ``tile_ends``: as `swiglu`'s."""
     ablk = _check_rows("combine_backward", dout.shape[1], scale_blocks,
                        qrow or qcol)
     check_layout("combine_backward", dout, y.shape[0], rows=rows, src=src, offs=offs,
@@ -369,7 +386,8 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
             and y.dtype == BF16):
         res = _quantizer().quantize_combine_grad(
             dout, y, _int32(src), weights.float().contiguous(), kernel_offs(offs), rows.shape[1],
-            rows=qrow, cols=qcol, act_block=ablk, aligned_groups=aligned_groups, part=part)
+            rows=qrow, cols=qcol, act_block=ablk, aligned_groups=aligned_groups, part=part,
+            tile_ends=tile_ends)
         outs = _quantizer_outputs(res, qrow, qcol)
     else:
         outs = _outputs(m, d, offs.numel(), qrow, qcol, keep_bf16, dout)

@@ -21,6 +21,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_device_capabilities():
+    """Every test asks the GPU (or the one it stands in with monkeypatch) anew: the backend
+    caches each GPU's compute capability for the process (`backend.device_capability`)."""
+    from moe_mxfp8 import backend
+
+    backend._capability_of_index.cache_clear()
+    yield
+    backend._capability_of_index.cache_clear()
+
+
 @pytest.fixture
 def gen():
     """A fresh, unseeded-per-run generator: every run draws new random data. Its seed is

@@ -432,6 +432,47 @@ def test_native_launch_cells_without_a_library():
         kern(1.5)
 
 
+def test_native_launch_cells_are_per_thread():
+    """A launch's argument cells are reused by the next launch of the same argument count on
+    the same thread only: a launch in flight on one thread (its C call runs without the GIL)
+    reads its own arguments while another thread launches."""
+    import ctypes
+    import threading
+
+    from moe_mxfp8.kernels import native
+
+    seen: dict = {}
+    other_done = threading.Event()
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+    def recorder(args, n):
+        name = threading.current_thread().name
+        if name == "first":
+            assert other_done.wait(10)  # the other thread launches while this call is on
+        cells = ctypes.cast(args, ctypes.POINTER(ctypes.c_void_p))
+        seen[name] = [ctypes.cast(cells[i], ctypes.POINTER(ctypes.c_int32)).contents.value
+                      for i in range(n - 1)]
+
+    kern = object.__new__(native.NativeKernel)
+    kern._entry, kern._loaded = recorder, True
+
+    def launch(values, done=None):
+        kern(*values)
+        if done is not None:
+            done.set()
+
+    first = threading.Thread(target=launch, args=((1, 2, 3),), name="first")
+    second = threading.Thread(target=launch, args=((7, 8, 9), other_done), name="second")
+    first.start()
+    second.start()
+    first.join(20)
+    second.join(20)
+    assert seen == {"first": [1, 2, 3], "second": [7, 8, 9]}
+    kern(4, 5, 6)  # this thread's cells, reused by count
+    kern(4, 5, 6, 7)
+    assert seen["MainThread"] == [4, 5, 6, 7]
+
+
 def test_link_shared_refuses_what_it_cannot_link(tmp_path, monkeypatch):
     from moe_mxfp8.kernels import native
 

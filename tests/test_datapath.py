@@ -137,6 +137,38 @@ def test_block_table_covers_every_row_once(gen, block):
     assert (re - rs <= block).all() and (lblk < nblk)[live].all()
 
 
+@pytest.mark.parametrize("align", [1, 16, 128])
+def test_row_tables_tile_ends_are_the_quantizers(gen, align):
+    """`row_tables` (the step's tables, built once for every stage): its block table is
+    `block_table`'s and its tile ends are the grouped quantizer's own (`group_tile_ends`: each
+    group's 128-row tiles, empty groups included), int32 and dense as the quantizer reads them."""
+    from moe_mxfp8.kernels import quantize_launch as QL
+
+    for t in (1, 5, 300):  # the last expert idle; few tokens: more empty groups
+        ids, counts = make_routing(gen, t, 2, 7)
+        _, src, offs = RT.route_layout(ids, counts, align)
+        m = src.numel()
+        for block in (32, 128):
+            table, tile_ends = RT.row_tables(offs, m, block)
+            assert torch.equal(table, RT.block_table(offs, m, block))
+            assert tile_ends.dtype == torch.int32 and tile_ends.is_contiguous()
+            assert torch.equal(tile_ends, QL.group_tile_ends(offs))
+        sizes = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+        assert torch.equal(tile_ends.long(), torch.cumsum(-(-sizes // 128), 0))
+
+
+def test_quantizer_tile_ends_argument_checked():
+    """A `tile_ends` the quantizer cannot read is one error line, not a wrong launch."""
+    from moe_mxfp8.kernels import quantize_launch as QL
+
+    offs = torch.tensor([16, 16, 48], dtype=torch.int32)
+    assert QL._group_tables(offs, 48, QL.group_tile_ends(offs))[1].tolist() == [1, 1, 2]
+    for bad in (torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
+                torch.zeros(6, dtype=torch.int32)[::2]):
+        with pytest.raises(ValueError, match="tile_ends must be a contiguous int32"):
+            QL._group_tables(offs, 48, bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # References vs the eager expressions they replace (CPU)
 # ---------------------------------------------------------------------------------------------

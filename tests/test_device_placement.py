@@ -27,6 +27,7 @@ from moe_mxfp8.kernels import compile_cache as CC
 from moe_mxfp8.kernels import native
 
 import moe_mxfp8
+from moe_mxfp8 import backend as B
 from moe_mxfp8 import selfcheck
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,7 @@ def _clear_device_caches():
 
     CC._default_arch.cache_clear()
     CC.device_arch.cache_clear()
+    B._capability_of_index.cache_clear()
     launcher._max_active_clusters.cache_clear()
 
 

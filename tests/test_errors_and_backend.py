@@ -151,6 +151,27 @@ def test_arch_table(monkeypatch, major, want):
             B.resolve_backend("sm90", torch.device("cuda", 0))
 
 
+def test_device_capability_is_asked_once_per_gpu(monkeypatch):
+    """`resolve_backend` runs at every quantizer and GEMM call: each GPU's compute capability
+    is asked of torch once per process, per index (a device without an index, the current
+    one, every time); CPU devices never ask."""
+    asked = []
+
+    def capability(device=None):
+        asked.append(device)
+        return {0: (9, 0), 1: (10, 0)}[0 if device is None else device]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(B, "cutedsl_available", lambda: True)
+    for _ in range(3):
+        assert B.resolve_backend("sm90", torch.device("cuda", 0)) == "sm90"
+        assert B.kernel_backend_for(torch.device("cuda", 1)) == "sm100"
+        assert B.device_capability(torch.device("cpu")) is None
+    assert asked == [0, 1]
+    assert B.device_capability(torch.device("cuda")) == (9, 0) and asked == [0, 1, None]
+
+
 def test_kernels_package_name_and_no_top_level_kernels():
     import importlib.util
 

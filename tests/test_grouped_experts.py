@@ -68,6 +68,18 @@ def test_expert_block_against_the_composition(gen, scale_blocks, counts):
             assert sqnr_db(b.float(), a.float()) >= 25.0
 
 
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_negative_token_counts_are_refused(precision):
+    """A negative ``num_tokens_per_expert`` is one error line naming it, in both precisions
+    (the MXFP8 path ran on with the other groups shifted; the twin's error named ``offs``)."""
+    ex = MXFP8GroupedExperts(D, H, E, precision=precision, backend="reference")
+    x = torch.randn(12, D)
+    with pytest.raises(ValueError, match="MXFP8GroupedExperts: num_tokens_per_expert must be "
+                       r"non-negative, got \[3, -2, 5, 4, 2\]"):
+        ex(x, torch.tensor([3, -2, 5, 4, 2]))
+    assert ex(x, torch.tensor([3, 0, 5, 4, 0])).shape == x.shape
+
+
 def test_bf16_twin_is_the_composition(gen):
     ex = MXFP8GroupedExperts(D, H, E, precision="bf16", dtype=BF16)
     ex.init_weights(0.05)

@@ -53,18 +53,42 @@ def _step(m, x, dy):
 
 @pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
 def test_mxfp8_step_launches(launches, scale_blocks):
-    """A forward + backward: 4 weight quantizations (2 weights x 2 axes) and 6 grouped GEMMs
-    (fprop 2, dgrad 2, wgrad 2) through ctypes, 6 Triton data-path kernels; with the weight
-    cache 2 dual quantizations in the first step and none in the second."""
+    """A forward + backward: 4 weight quantizations (2 weights x 2 axes), 6 grouped GEMMs
+    (fprop 2, dgrad 2, wgrad 2) and the 3 quantized stages on the quantizer tile (SwiGLU and
+    its backward, the combine backward) through ctypes, 3 Triton data-path kernels (dispatch,
+    combine, the dispatch backward); with the weight cache 2 dual quantizations in the first
+    step and none in the second."""
     torch.manual_seed(0)
     x, dy = torch.randn(2, 40, 128).to(BF16), torch.randn(2, 40, 128).to(BF16)
     plain = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks)
     cached = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks, cache_weights=True)
-    for m, counts in ((plain, [10, 10]), (cached, [8, 6])):
+    for m, counts in ((plain, [13, 13]), (cached, [11, 9])):
         for want in counts:
             launches.clear()
             _step(m, x, dy)
-            assert launches == {"native": want, "triton": 6}
+            assert launches == {"native": want, "triton": 3}
+
+
+@pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
+def test_swiglu_quantizer_tile_ends_built_once_per_step(launches, monkeypatch, scale_blocks):
+    """Both quantized SwiGLU stages (forward ``a``, backward ``dh``) run on the quantizer and
+    read the step's tile ends (`routing.row_tables`, built with the block table): no stage
+    builds its own (`group_tile_ends`)."""
+    from moe_mxfp8.kernels import quantize_launch as QL
+
+    seen, built = [], []
+    for name in ("quantize_swiglu", "quantize_swiglu_grad"):
+        fn = getattr(QL, name)
+        monkeypatch.setattr(QL, name, lambda *a, _fn=fn, _n=name, **kw: seen.append(
+            (_n, kw.get("tile_ends"))) or _fn(*a, **kw))
+    tile_ends = QL.group_tile_ends
+    monkeypatch.setattr(QL, "group_tile_ends", lambda offs: built.append(1) or tile_ends(offs))
+    torch.manual_seed(0)
+    m = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks)
+    _step(m, torch.randn(80, 128).to(BF16), torch.randn(80, 128).to(BF16))
+    assert [n for n, _ in seen] == ["quantize_swiglu", "quantize_swiglu_grad"]
+    (_, fwd), (_, bwd) = seen
+    assert fwd is not None and bwd is fwd and not built
 
 
 def test_bf16_twin_step_launches(launches):
@@ -77,7 +101,7 @@ def test_bf16_twin_step_launches(launches):
 # aten ops of one forward + backward on the GPU host path, those inside the custom ops included
 # (on a GPU each is a launch or an allocation, ~30 us of host time; views and no-op casts count
 # too): the router, the routing layout, the block table, autograd and the stages' buffers
-STEP_ATEN_OPS = {"bf16": 159, "1x32": 183, "1x128": 183}
+STEP_ATEN_OPS = {"bf16": 159, "1x32": 170, "1x128": 170}
 HOST_SYNC_OPS = {"aten.item", "aten._local_scalar_dense", "aten.is_nonzero"}
 
 
@@ -129,7 +153,7 @@ def test_launch_decisions_are_made_once_per_problem(launches, monkeypatch):
     _step(m, x, dy)
     assert len(chosen) == 6 == len(set(chosen))  # fprop 2, dgrad 2, wgrad 2
     _step(m, x, dy)
-    assert len(chosen) == 6 and launches["native"] == 20
+    assert len(chosen) == 6 and launches["native"] == 26  # 13 a step
 
 
 def _graph_steps(m, xs, dy):

@@ -284,17 +284,18 @@ def test_gpu_graph_capture_does_not_bake_the_cache():
 
 @pytest.mark.parametrize("cache", [False, True])
 def test_block_table_is_built_once_per_step(monkeypatch, cache):
-    """`routed_experts` builds the row kernels' block table once and backward reuses the
-    forward's (each pass builds its own only when none is passed in), with and without
-    pre-quantized weights (the op's two optional inputs)."""
+    """`routed_experts` builds the step's tables (the row kernels' block table, the
+    quantizer's tile ends) once and backward reuses the forward's (each pass builds its own
+    only when none is passed in), with and without pre-quantized weights (the op's other
+    optional inputs)."""
     built = []
-    table = torch.arange(12, dtype=torch.int32).reshape(2, 6)
+    tables = torch.arange(12, dtype=torch.int32).reshape(2, 6), torch.arange(E, dtype=torch.int32)
 
-    def step_table(like, offs, m, scale_blocks, backend):
+    def step_tables(like, offs, m, scale_blocks, backend):
         built.append(scale_blocks)
-        return table
+        return tables
 
-    monkeypatch.setattr(DP, "_step_table", step_table)
+    monkeypatch.setattr(DP, "_step_tables", step_tables)
     cached, plain = _pair()
     m = cached if cache else plain
     (x, dy), = _inputs(1)
@@ -322,16 +323,16 @@ def test_opcheck_with_the_optional_inputs():
     pairs = [WC.quantize_weights_dual(w.detach(), backend="reference") for w in (w_gu, w_dn)]
     wq = [v for q in (pairs[0][0], pairs[1][0], pairs[0][1], pairs[1][1])
           for v in (q.data.view(torch.uint8), q.scale)]
-    table = RT.block_table(offs, src.numel(), 32)
+    table, tile_ends = RT.row_tables(offs, src.numel(), 32)
     args = (x, w_gu, w_dn, weights, rows, src, offs, "mxfp8", "reference", "mxfp8", "1x32", True,
-            table, *wq)
+            table, tile_ends, *wq)
     torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration"))
     out = torch.ops.moe_mxfp8.routed_experts_fwd(*[a.detach() if i < 4 else a
                                                    for i, a in enumerate(args)])
     bargs = (torch.randn_like(out[0]), *args[1:7], *out[1:], "mxfp8", "reference", "mxfp8",
-             "1x32", True, True, True, table, *wq[4:])
+             "1x32", True, True, True, table, tile_ends, *wq[4:])
     torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_bwd.default, bargs,
                           test_utils=("test_schema", "test_faketensor"))
 

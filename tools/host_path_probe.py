@@ -7,7 +7,8 @@ Runs `MXFP8MoE` forward + backward (both recipes and the BF16 twin) through exac
 GPU runs -- the Triton host wrappers of the data path (`kernels.datapath_triton`, imported
 against a stand-in ``triton`` whose kernels launch nothing), the quantizer and grouped GEMM
 launchers with their ctypes argument packing (`native.NativeKernel.__call__`, the C entry a
-no-op), the backend choice (``"auto"``, the GPU's answer stubbed), the operand checks (their
+no-op), the backend choice (``"auto"``; every device answers as an H100 with CuTeDSL, so the
+quantized SwiGLU stages run on the quantizer as there), the operand checks (their
 value reads, which run only for CPU tensors, answered as on a GPU: skipped), the custom ops and
 autograd -- on CPU tensors of the shape's widths (D, H, E, k) and a few tokens,
 so that the torch ops' own CPU compute stays small (it still grows with the padded row count:
@@ -17,7 +18,9 @@ returns an empty output.
 Prints the host milliseconds per step, the count of torch (aten) ops per step (on a GPU each
 is a kernel launch or an allocation, a few microseconds of host time each) and, with
 ``--profile``, the cProfile table of one step sorted by own time. What it cannot show: the
-CUDA launch cost of each op, Triton's launcher (a few microseconds a launch), the driver.
+CUDA launch cost of each op, Triton's launcher (a few microseconds a launch), the driver, and
+the CUDA queries it answers itself (current stream, device switch, compute capability, the
+compile cache's lookup).
 `benchmarks.bench_moe_layer --host-time` measures the whole on a GPU.
 """
 
@@ -110,7 +113,11 @@ def gpu_host_path():
     patches = [
         (ST, "use_triton", lambda t, backend: backend != "reference"),
         (ST, "_triton_kernels", lambda: dpt),
-        (B, "kernel_backend_for", lambda device: "sm90"),  # backend="auto" resolves to sm90
+        # every device answers as an H100 with CuTeDSL: backend="auto" resolves to sm90 and the
+        # quantized SwiGLU stages run on the quantizer (`stages._swiglu_on_quantizer`)
+        (B, "device_capability", lambda device: (9, 0)),
+        (B, "cutedsl_available", lambda: True),
+        (ST, "cutedsl_available", lambda: True),
         (quantize_launch, "compile_quantizer", lambda op, config, arch=None, stream=None: kern),
         (quantize_launch, "current_stream", lambda device: stream),
         (launcher, "compile_config", lambda cls, config, options=None, stream=None, arch=None:

@@ -438,8 +438,10 @@ def test_dispatch_selects_sm100(monkeypatch):
     assert host.kernel_class() is GroupedGemmSm100 and issubclass(GroupedGemmSm100, host)
     assert host.check_on_first_use and GroupedGemmSm100.check_on_first_use
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 3))
+    backend._capability_of_index.cache_clear()  # another GPU in its place: asked anew
     assert backend.resolve_backend("auto", dev) == "sm100"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    backend._capability_of_index.cache_clear()
     with pytest.raises(RuntimeError, match="sm100 needs 10.x"):
         backend.resolve_backend("sm100", dev)
 
