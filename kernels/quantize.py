@@ -16,7 +16,10 @@ instructions that both have (`kernels/ptx.py`) -- 16-byte ``ld.global.nc``/``st.
 ``F2FP.SATFINITE.E4M3`` in SASS). No TMA, wgmma or tcgen05; `target_arch` (``CUTE_DSL_ARCH``)
 only picks the cubin.
 
-**One tile kernel, four front ends.** Every CTA (256 threads) owns a 128-token x 128-feature
+**One tile kernel, several front ends** (rowwise, columnwise, dual, expert weights; and the
+data path's computed sources -- SwiGLU and its backward, the combine backward, the dispatch's
+gather -- whose rows are computed in the load, `QuantConfig.source`). Every CTA (256 threads)
+owns a 128-token x 128-feature
 tile of ``x (M, K)`` (``x`` row-major, tokens = rows). Grid: ``ceil(K/128) * virtual token
 tiles`` CTAs on one axis, feature tiles fastest. A *virtual token tile* is a 128-row tile of the
 packed scale layout: with row groups (``offs``) each group's tiles start on a tile boundary
