@@ -17,6 +17,16 @@ ROUNDING_MODES = ("rceil", "floor")
 SCALE_LAYOUTS = ("packed", "dense")
 
 
+def kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the SIMT kernels read it (16-byte vector loads): contiguous from a 16-byte
+    aligned address, a copy if not."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if x.data_ptr() % KERNEL_INPUT_ALIGN:
+        x = x.clone()  # a fresh allocation is aligned (the caching allocator gives 512 bytes)
+    return x
+
+
 def check_float_input(name: str, x: torch.Tensor, ndim: int | tuple[int, ...]) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

@@ -38,15 +38,6 @@ def _check_common(fn: str, name: str, x: torch.Tensor, ndim, rounding: str, scal
         C.check_same_device(**{name: x, "offs": offs})
 
 
-def _kernel_input(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernels read it: contiguous from a 16-byte aligned address (a copy if not)."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if x.data_ptr() % C.KERNEL_INPUT_ALIGN:
-        x = x.clone()  # a fresh allocation is aligned (the caching allocator gives 512 bytes)
-    return x
-
-
 def _kernel_offs(offs: torch.Tensor | None) -> torch.Tensor | None:
     """``offs`` as the kernels read it: a dense int32 array (a strided view is copied)."""
     return offs if offs is None else kernel_offs(offs)
@@ -114,7 +105,7 @@ def quantize_rowwise(
         return R.quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks)
     offs = _kernel_offs(offs)
     out = _row_tensor(_kernel_module().quantize_rowwise(
-        _kernel_input(x), rounding=rounding, offs=offs, act_block=block), offs)
+        C.kernel_input(x), rounding=rounding, offs=offs, act_block=block), offs)
     return out if scale_layout == "packed" else _to_dense(out)
 
 
@@ -135,7 +126,7 @@ def quantize_colwise(
         return _colwise_ref(x, rounding, scale_layout, offs, scale_blocks)
     offs = _kernel_offs(offs)
     out = _col_tensor(_kernel_module().quantize_colwise(
-        _kernel_input(x), rounding=rounding, offs=offs, act_block=block), offs)
+        C.kernel_input(x), rounding=rounding, offs=offs, act_block=block), offs)
     return out if scale_layout == "packed" else _to_dense(out)
 
 
@@ -151,7 +142,7 @@ def quantize_dual(
         return (R.quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks),
                 _colwise_ref(x, rounding, scale_layout, offs, scale_blocks))
     offs = _kernel_offs(offs)
-    row, col = _kernel_module().quantize_dual(_kernel_input(x), rounding=rounding, offs=offs,
+    row, col = _kernel_module().quantize_dual(C.kernel_input(x), rounding=rounding, offs=offs,
                                               act_block=block)
     row, col = _row_tensor(row, offs), _col_tensor(col, offs)
     if scale_layout == "dense":
@@ -198,7 +189,7 @@ def quantize_weights(
     _check_weights("quantize_weights", w, (axis,), rounding, scale_layout, block_rows)
     if resolve_backend(backend, w.device) == "reference":
         return R.quantize_weights_ref(w, axis, rounding, scale_layout, block_rows)
-    data, scale = _kernel_module().quantize_weights(_kernel_input(w), axis=axis,
+    data, scale = _kernel_module().quantize_weights(C.kernel_input(w), axis=axis,
                                                     rounding=rounding, block_rows=block_rows)
     out = MXFP8Tensor(data, scale, "packed", None, "experts", block_rows)
     return out if scale_layout == "packed" else _to_dense(out)
@@ -216,7 +207,7 @@ def quantize_weights_dual(
         return (R.quantize_weights_ref(w, k_axis, rounding, scale_layout, block_rows),
                 R.quantize_weights_ref(w, n_axis, rounding, scale_layout, block_rows))
     (data_k, scale_k), (data_n, scale_n) = _kernel_module().quantize_weights_dual(
-        _kernel_input(w), rounding=rounding, block_rows=block_rows)
+        C.kernel_input(w), rounding=rounding, block_rows=block_rows)
     along_k = MXFP8Tensor(data_k, scale_k, "packed", None, "experts", block_rows)
     along_n = MXFP8Tensor(data_n, scale_n, "packed", None, "experts", block_rows)
     if scale_layout == "packed":

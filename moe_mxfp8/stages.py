@@ -38,6 +38,7 @@ from torch import Tensor
 from . import layout as L
 from . import reference as R
 from .backend import _warn_once, cutedsl_available, kernel_backend_for
+from .checks import kernel_input
 from .config import check_scale_blocks
 from .kernels.grouped_gemm.problem import kernel_offs
 from .kernels.mx_format import ACT_BLOCK, BLOCK_128, BLOCK_SIZE
@@ -215,9 +216,9 @@ def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = T
                             scale_blocks=scale_blocks)
     x = x.to(BF16).contiguous()
     if _on_quantizer("dispatch", x, ablk, qrow or qcol, keep_bf16):
-        res = _quantizer().quantize_gather(x, _int32(src), kernel_offs(offs), top_k, rows=qrow,
-                                           cols=qcol, act_block=ablk,
-                                           aligned_groups=aligned_groups, tile_ends=tile_ends)
+        res = _quantizer().quantize_gather(
+            kernel_input(x), _int32(src), kernel_offs(offs), top_k, rows=qrow, cols=qcol,
+            act_block=ablk, aligned_groups=aligned_groups, tile_ends=tile_ends)
         return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, x.shape[1], offs.numel(), qrow, qcol, keep_bf16, x)
@@ -273,9 +274,9 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
                           scale_blocks=scale_blocks)
     h = h.contiguous()
     if _on_quantizer("swiglu", h, ablk, qrow or qcol, keep_bf16):
-        res = _quantizer().quantize_swiglu(h, _int32(src), kernel_offs(offs), rows=qrow,
-                                           cols=qcol, act_block=ablk,
-                                           aligned_groups=aligned_groups, tile_ends=tile_ends)
+        res = _quantizer().quantize_swiglu(
+            kernel_input(h), _int32(src), kernel_offs(offs), rows=qrow, cols=qcol,
+            act_block=ablk, aligned_groups=aligned_groups, tile_ends=tile_ends)
         return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, h.shape[1] // 2, offs.numel(), qrow, qcol, keep_bf16, h)
@@ -309,10 +310,9 @@ def swiglu_backward(da: Tensor, h: Tensor, src: Tensor, offs: Tensor, *, qrow: b
                                    scale_blocks=scale_blocks)
     h, da = h.contiguous(), da.contiguous()
     if _on_quantizer("swiglu", h, ablk, qrow or qcol, keep_bf16) and da.dtype == BF16:
-        res = _quantizer().quantize_swiglu_grad(da, h, _int32(src), kernel_offs(offs),
-                                                rows=qrow, cols=qcol, act_block=ablk,
-                                                aligned_groups=aligned_groups,
-                                                tile_ends=tile_ends)
+        res = _quantizer().quantize_swiglu_grad(
+            kernel_input(da), kernel_input(h), _int32(src), kernel_offs(offs), rows=qrow,
+            cols=qcol, act_block=ablk, aligned_groups=aligned_groups, tile_ends=tile_ends)
         return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
     m = src.numel()
     outs = _outputs(m, h.shape[1], offs.numel(), qrow, qcol, keep_bf16, h)
@@ -385,9 +385,9 @@ def combine_backward(dout: Tensor, y: Tensor, src: Tensor, rows: Tensor, weights
     if (_on_quantizer("combine_backward", dout, ablk, qrow or qcol, keep_bf16)
             and y.dtype == BF16):
         res = _quantizer().quantize_combine_grad(
-            dout, y, _int32(src), weights.float().contiguous(), kernel_offs(offs), rows.shape[1],
-            rows=qrow, cols=qcol, act_block=ablk, aligned_groups=aligned_groups, part=part,
-            tile_ends=tile_ends)
+            kernel_input(dout), kernel_input(y), _int32(src), weights.float().contiguous(),
+            kernel_offs(offs), rows.shape[1], rows=qrow, cols=qcol, act_block=ablk,
+            aligned_groups=aligned_groups, part=part, tile_ends=tile_ends)
         outs = _quantizer_outputs(res, qrow, qcol)
     else:
         outs = _outputs(m, d, offs.numel(), qrow, qcol, keep_bf16, dout)

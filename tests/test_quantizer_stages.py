@@ -175,3 +175,44 @@ def test_gpu_stages_choice_and_nonfinite(gen, scale_blocks, monkeypatch):
     ST.swiglu(h, src, offs, qrow=False, qcol=False, keep_bf16=True, scale_blocks=sb)
     ST.dispatch(x, src, offs, k, qrow=False, qcol=False, keep_bf16=True)
     assert calls == shipped, "BF16 outputs: the Triton kernels'"
+
+
+def test_kernel_input_copies_only_what_the_tile_cannot_read():
+    """The quantizer tile's 16-byte loads need contiguous, 16-byte aligned rows: a misaligned
+    or strided input is copied (`checks.kernel_input`), an aligned contiguous one is not."""
+    from moe_mxfp8.checks import kernel_input
+
+    base = torch.randn(8 * 64 + 1).to(torch.bfloat16)
+    shifted = base[1:].view(8, 64)  # one element past an aligned allocation: 2-byte aligned
+    assert shifted.data_ptr() % 16 and shifted.is_contiguous()
+    got = kernel_input(shifted)
+    assert got.data_ptr() % 16 == 0 and torch.equal(got, shifted)
+    aligned = torch.randn(8, 64).to(torch.bfloat16)
+    assert kernel_input(aligned) is aligned
+    strided = torch.randn(64, 8).to(torch.bfloat16).t()
+    got = kernel_input(strided)
+    assert got.is_contiguous() and torch.equal(got, strided)
+
+
+@pytest.mark.gpu
+@quantizer_gpu
+def test_gpu_misaligned_inputs(gen):
+    """A misaligned ``h`` / ``dA`` (views one element into their storage) gives the aligned
+    inputs' bytes on the quantizer tile (copied first, never read misaligned)."""
+    t, k, e, hh = 300, 2, 8, 256
+    _, src, offs, m = _layout(gen, t, k, e, 128)
+
+    def shifted(*shape):
+        n = shape[0] * shape[1]
+        flat = torch.empty(n + 1, dtype=torch.bfloat16, device="cuda")
+        v = flat[1:].view(*shape)
+        v.copy_(_bf16(gen, *shape))
+        return v
+
+    h, da = shifted(m, 2 * hh), shifted(m, hh)
+    for got, ref, what in (
+            (ST.swiglu(h, src, offs, scale_blocks="1x128", aligned_groups=True),
+             ST.swiglu_ref(h, src, offs, scale_blocks="1x128"), "swiglu"),
+            (ST.swiglu_backward(da, h, src, offs, scale_blocks="1x128", aligned_groups=True),
+             ST.swiglu_backward_ref(da, h, src, offs, scale_blocks="1x128"), "swiglu backward")):
+        _assert_copies(got, ref, what)
