@@ -233,14 +233,18 @@ class TileQuantizer:
         if c.source not in SOURCES:
             return f"source {c.source!r} unknown {SOURCES}"
         if c.source != "x" and (c.dtype != "bfloat16" or c.grouping == "uniform"):
-            return "the SwiGLU sources take BF16 activations (not weights)"
+            return f"the {c.source!r} source takes BF16 activations (not weights)"
+        if c.top_k < 1:
+            return f"top_k must be >= 1, got {c.top_k}"
+        if c.with_part and c.source != "combine_grad":
+            return "the routing-weight gradient (with_part) is the combine_grad source's"
         if c.load_batch not in (1, 2, 4, 8):
             return f"load_batch {c.load_batch} must divide the 8 vectors a thread loads"
         if c.ctas_per_sm < 0:
             return f"ctas_per_sm must be >= 0, got {c.ctas_per_sm}"
         if c.source != "x" and c.k % F.BLOCK_SIZE:
-            # whole 16-byte vectors of gate / up / dA (and, for dh, none across the halves)
-            return f"SwiGLU outputs need a multiple of 32 features, got {c.k}"
+            # whole 16-byte vectors of every input (and, for dh, none across the halves)
+            return f"the {c.source!r} source needs a multiple of 32 features, got {c.k}"
         return None
 
     # ---- host side --------------------------------------------------------------------------
@@ -346,21 +350,16 @@ class TileQuantizer:
         words = []
         if const_expr(c.source == "x"):
             words = self.load_tile(x, tok_begin, n_valid, feat0, tid)
-            if const_expr(self.needs_smem):
-                self.stash_tile(smem, words, tid)
         elif const_expr(self.joint):
             words = self.swiglu_joint_tile(x, aux, src, tok_begin, n_valid, feat0, tid,
                                            smem + self.smem_region)
-            self.stash_tile(smem, words, tid)
         elif const_expr(c.source in ("gather", "combine_grad")):
             words = self.routed_tile(x, aux, src, wts, part, tok_begin, n_valid, feat0, bx, m,
                                      tid)
-            if const_expr(self.needs_smem):
-                self.stash_tile(smem, words, tid)
         else:
             words = self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0, tid)
-            if const_expr(self.needs_smem):
-                self.stash_tile(smem, words, tid)
+        if const_expr(self.needs_smem):
+            self.stash_tile(smem, words, tid)
         if const_expr(c.rows and not self.tiled):
             self.rows_phase(q_row, s_row, words, smem, tok_begin, n_valid, feat0, bx, t, tid)
         if const_expr(self.needs_smem):
@@ -478,8 +477,7 @@ class TileQuantizer:
     def stash_tile(self, smem, words, tid):
         """Row-major copy of the tile in shared memory (a warp stores 512 contiguous bytes)."""
         for it in cutlass.range_constexpr(self.vecs_per_thread):
-            r = it * (THREADS // self.vecs_per_row) + tid // self.vecs_per_row
-            vec = tid % self.vecs_per_row
+            r, vec = self.vec_slot(it, tid)
             st_shared(smem + r * self.row_bytes + vec * VEC_BYTES, words[4 * it: 4 * it + 4])
 
     @cute.jit

@@ -237,6 +237,23 @@ def test_can_implement_explains_refusals():
                                              grouping="uniform", group_rows=n,
                                              col_layout="experts", block_rows=128))
         assert ok.can_implement() is None
+    # the computed sources: each refusal names its source or knob
+    C = Q.QuantConfig
+    bad = Q.GatherQuantizer(C("float32", "rceil", 256, True, True, grouping="offs",
+                              source="gather"))
+    assert "'gather' source takes BF16" in bad.can_implement()
+    bad = Q.CombineGradQuantizer(C("bfloat16", "rceil", 100, False, True, grouping="offs",
+                                   source="combine_grad"))  # columnwise only: any K, not here
+    assert "'combine_grad' source needs a multiple of 32" in bad.can_implement()
+    bad = Q.GatherQuantizer(C("bfloat16", "rceil", 256, True, True, grouping="offs",
+                              source="gather", top_k=0))
+    assert "top_k" in bad.can_implement()
+    bad = Q.GatherQuantizer(C("bfloat16", "rceil", 256, True, True, grouping="offs",
+                              source="gather", with_part=True))
+    assert "with_part" in bad.can_implement()
+    ok = Q.CombineGradQuantizer(C("bfloat16", "rceil", 256, True, True, grouping="offs",
+                                  source="combine_grad", top_k=8, with_part=True))
+    assert ok.can_implement() is None
 
 
 def test_kernel_modules_do_not_import_the_api():
