@@ -84,10 +84,10 @@ def make_inputs(name: str, align: int = 16) -> dict:
 
 
 def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> None:
-    """The quantized SwiGLU stage on the CuTeDSL quantizer tile (`kernels.quantize`, the SwiGLU
-    sources `stages` runs), 1x128 and 1x32 blocks, both copies, into preallocated outputs;
-    ``tunings``: other ``(load_batch, ctas_per_sm)`` than `quantize_launch.SWIGLU_TUNING`'s
-    to time too (1x128)."""
+    """Kernel ``kern`` (SwiGLU forward or backward, dispatch, combine backward) on the CuTeDSL
+    quantizer tile (`kernels.quantize`'s computed sources), 1x128 and 1x32 blocks, both copies,
+    into preallocated outputs; ``tunings``: other ``(load_batch, ctas_per_sm[, joint dh])``
+    than `quantize_launch.SWIGLU_TUNING`'s to time too (1x128, SwiGLU)."""
     from moe_mxfp8.kernels import quantize_launch as QL
 
     h, da, src, offs, m, hh, e = (z[n] for n in ("h", "da", "src", "offs", "m", "hh", "e"))
