@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from moe_mxfp8 import grouped_mm
 from moe_mxfp8.experts import MXFP8GroupedExperts
-from tests.compare import sqnr_db
+from tests.compare import assert_same_sums, sqnr_db
 
 BF16 = torch.bfloat16
 D, H, E = 64, 96, 5
@@ -43,9 +43,10 @@ def _run(fn, ex, x, dy):
 def test_expert_block_against_the_composition(gen, scale_blocks, counts):
     """Uneven, empty and aligned groups, plus 6 padding rows past the counts (NaN: they must
     reach nothing): output and every gradient against the same math as separate ops (16 rows
-    per group of group alignment change no sum: bitwise for 1x32; the 1x128 composition
-    quantizes unaligned groups, so its blocks differ: SQNR), and zero outputs and input
-    gradients on the padding rows."""
+    per group of group alignment change no sum in 1x32, only the row count CPU BLAS blocks
+    by, which may flip a rounding: `assert_same_sums`; the 1x128 composition quantizes
+    unaligned groups, so its blocks differ: SQNR), and zero outputs and input gradients on
+    the padding rows."""
     torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
     ex = MXFP8GroupedExperts(D, H, E, backend="reference", scale_blocks=scale_blocks, dtype=BF16)
     ex.init_weights(0.05)
@@ -62,8 +63,8 @@ def test_expert_block_against_the_composition(gen, scale_blocks, counts):
                 x, dy)
     for a, b in zip(got, want, strict=True):
         if scale_blocks == "1x32":
-            assert torch.equal(a[: m - 6] if a.shape[0] == m else a,
-                               b[: m - 6] if b.shape[0] == m else b)
+            assert_same_sums(a[: m - 6] if a.shape[0] == m else a,
+                             b[: m - 6] if b.shape[0] == m else b)
         else:
             assert sqnr_db(b.float(), a.float()) >= 25.0
 
