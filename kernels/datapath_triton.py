@@ -51,7 +51,6 @@ except ImportError:  # pragma: no cover - older Triton layouts
 BLOCK = BLOCK_SIZE  # MXFP8 block: the scale layout's unit
 QBLK: tl.constexpr = tl.constexpr(BLOCK)  # the same, visible inside @triton.jit
 ACT_BLOCKS = (BLOCK_SIZE, BLOCK_128)  # activation block lengths (ABLK) the kernels take
-TBL_COLS = 6  # block-table columns (see the module doc)
 COL_TILE = 128  # features per program (a multiple of every ABLK)
 TOK_TILE = 16  # tokens per program in the per-token kernels
 

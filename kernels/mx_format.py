@@ -22,6 +22,7 @@ BLOCK_SIZE = 32  # elements per scale block along the reduced axis
 TILE_ROWS = 128  # rows per packed tile
 TILE_BLOCKS = 4  # blocks per packed tile
 TILE_BYTES = TILE_ROWS * TILE_BLOCKS  # 512
+ROW_TABLE_COLS = 6  # the data path's block table: rs, re, prow0, tiles, lblk, nblk
 
 # --- scale-block choice (one vocabulary for the quantizers, grouped_mm and MXFP8MoE) ---------
 # "1x32": exact MXFP8 everywhere (default). "32x32": weights one scale per 32x32 tile. "1x128":
@@ -101,6 +102,13 @@ def grouped_k_scale_bytes(rows: int, m: int, num_groups: int) -> int:
 def expert_scale_stride(rows: int, num_blocks: int) -> int:
     """Bytes between consecutive experts' packed scales of ``(E, rows, K)`` weights."""
     return packed_scale_bytes(rows, num_blocks)
+
+
+def group_blocks_bound(m: int, num_groups: int, block: int) -> int:
+    """Static bound of ``sum_g ceil(m_g / block)`` over any split of ``m`` rows into groups:
+    ``(m + (block - 1) * G) // block`` (blocks that restart at every group: the data path's
+    block table, K-grouped 32-blocks)."""
+    return (m + (block - 1) * num_groups) // block
 
 
 def padded_extent(m: int, num_groups: int, align: int) -> int:

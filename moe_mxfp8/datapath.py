@@ -37,7 +37,7 @@ from .kernels.mx_format import ACT_BLOCK, WEIGHT_BLOCK_ROWS
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_weights
-from .routing import check_layout, numel_of, row_tables
+from .routing import check_layout, numel_of, row_tables_op, step_layout
 
 BF16 = torch.bfloat16
 
@@ -74,7 +74,17 @@ def _step_tables(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend:
     built once per step ((None, None) where the references run)."""
     if not ST.use_triton(like, backend):
         return None, None
-    return row_tables(offs, m, ACT_BLOCK[scale_blocks])
+    return row_tables_op(offs, m, ACT_BLOCK[scale_blocks])
+
+
+def layout(expert_ids: Tensor, counts: Tensor, align: int, precision: str, scale_blocks: str,
+           backend: str) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """The step's routing layout ``rows, src, offs`` (`routing.route_layout` with ``align``)
+    and, where the data path's kernels run, the row tables they read (`routed_experts`'
+    ``tables``), from one set of launches (`routing.step_layout`)."""
+    sb = scale_blocks if precision == "mxfp8" else "1x32"
+    return step_layout(expert_ids, counts, align, ACT_BLOCK[sb],
+                       ST.use_triton(expert_ids, backend))
 
 
 def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str,
@@ -353,6 +363,7 @@ def routed_experts(
     offs: Tensor, *, precision: str = "mxfp8", backend: str = "auto", wgrad: str = "mxfp8",
     scale_blocks: str = "1x32", weight_blocks: str | None = None,
     weights_q: tuple[MXFP8Tensor, MXFP8Tensor, MXFP8Tensor, MXFP8Tensor] | None = None,
+    tables: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The routed experts of a SwiGLU MoE layer on the layout of `route_layout`, with autograd.
 
@@ -372,6 +383,9 @@ def routed_experts(
     ``scale_blocks``' weight tiles, ``(w_gate_up along K, w_down along K, w_gate_up along N,
     w_down along N)`` (`moe_mxfp8.weight_cache`); they must be ``w_gate_up``'s and
     ``w_down``'s current values (the GEMMs read them instead of quantizing the weights).
+
+    ``tables``: this layout's row tables as `layout` gives them with it (None: built here
+    where the kernels run).
     """
     check_choice("routed_experts", "precision", precision, PRECISIONS)
     check_choice("routed_experts", "wgrad", wgrad, WGRAD_MODES)
@@ -396,8 +410,8 @@ def routed_experts(
     save = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
     # the step's tables, once for forward and backward (None: the references run)
-    table, tile_ends = _step_tables(x, offs, src.numel(),
-                                    scale_blocks if precision == "mxfp8" else "1x32", backend)
+    table, tile_ends = tables if tables is not None else _step_tables(
+        x, offs, src.numel(), scale_blocks if precision == "mxfp8" else "1x32", backend)
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
         scale_blocks, save, table, tile_ends, *wq)[0]

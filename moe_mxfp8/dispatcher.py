@@ -68,13 +68,13 @@ class Experts(NamedTuple):
 
 
 def run_experts(x: Tensor, weights: Tensor, rows: Tensor, src: Tensor, offs: Tensor,
-                experts: Experts) -> Tensor:
+                experts: Experts, tables: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`datapath.routed_experts` with ``experts``' weights and options: ``x (T, D)`` bf16 ->
-    ``(T, D)`` bf16 on the layout ``rows/src/offs``."""
+    ``(T, D)`` bf16 on the layout ``rows/src/offs`` (and its row tables, if given)."""
     return DP.routed_experts(
         x, experts.w_gate_up, experts.w_down, weights, rows, src, offs,
         precision=experts.precision, backend=experts.backend, wgrad=experts.wgrad,
-        scale_blocks=experts.scale_blocks, weights_q=experts.weights_q,
+        scale_blocks=experts.scale_blocks, weights_q=experts.weights_q, tables=tables,
     )
 
 
@@ -130,8 +130,11 @@ class LocalDispatcher:
 
     def run(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
         """``x (T, D)`` this process's tokens -> ``(T, D)`` bf16 routed output."""
-        rows, src, offs = RT.route_layout(routing.expert_ids, routing.counts, experts.align)
-        return run_experts(x.to(COMPUTE_DTYPE), routing.weights, rows, src, offs, experts)
+        rows, src, offs, tables = DP.layout(routing.expert_ids, routing.counts, experts.align,
+                                            experts.precision, experts.scale_blocks,
+                                            experts.backend)
+        return run_experts(x.to(COMPUTE_DTYPE), routing.weights, rows, src, offs, experts,
+                           tables)
 
     def nonfinite_rows_or_raise(self, logits: Tensor) -> Tensor:
         """``(T,)`` bool: tokens whose ``logits`` hold NaN/Inf; `NonFiniteInputError` if any."""

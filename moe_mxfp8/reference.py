@@ -40,6 +40,7 @@ from .kernels.mx_format import (  # noqa: F401  (the format's constants, re-expo
     RCEIL_MANTISSA_THRESHOLD,
     SCALE_BLOCKS,
     WEIGHT_BLOCK_ROWS,
+    group_blocks_bound,
 )
 from .mx_tensor import MXFP8Tensor, e8m0_to_float32  # noqa: F401  (part of the reference)
 
@@ -280,7 +281,7 @@ def quantize_colwise_ref(
         return MXFP8Tensor(q, scale, scale_layout)
 
     # Static bound on the number of blocks: sum_g ceil(m_g/32) <= (M + 31 G) // 32.
-    nb_bound = (m + (L.BLOCK_SIZE - 1) * offs.numel()) // L.BLOCK_SIZE
+    nb_bound = group_blocks_bound(m, offs.numel(), L.BLOCK_SIZE)
     p = nb_bound * L.BLOCK_SIZE
     # Row of the padded (P, K) buffer holding token t: group g's blocks start at padded row
     # 32 * sum_{h<g} ceil(m_h/32), so token t of group g moves down by that minus offs[g-1].

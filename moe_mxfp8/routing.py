@@ -13,9 +13,16 @@ gives, on the device and without a host sync::
 `sorted_layout` gives the same tensors for rows that already come sorted by expert, one slot
 each, from the counts alone (no sort). `block_table` cuts that buffer into the row kernels'
 blocks (`moe_mxfp8.stages`).
+
+These PyTorch compositions are the references and the CPU path. On a GPU, `step_layout` and
+`row_tables_op` run the same integers as three Triton launches (`kernels.routing_triton`,
+operators ``moe_mxfp8::route_layout_tables`` / ``moe_mxfp8::row_tables``) instead of some fifty
+small device ops, each of which costs host time.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +30,8 @@ from torch import Tensor
 
 from . import checks as C
 from . import layout as L
-from .kernels.mx_format import padded_extent
+from .kernels.mx_format import ROW_TABLE_COLS, group_blocks_bound, padded_extent
+from .op_library import define_op
 
 INDEX_DTYPES = (torch.int32, torch.int64)  # rows / src: every backend indexes with either
 
@@ -90,6 +98,66 @@ def _groups(counts: Tensor, m: int, align: int) -> tuple[Tensor | None, int, Ten
     return shift, m_pad, offs
 
 
+def _layout_kernels():
+    """`kernels.routing_triton`; imported on the first GPU call (it needs Triton)."""
+    from .kernels import routing_triton
+
+    return routing_triton
+
+
+@define_op("moe_mxfp8::route_layout_tables")
+def _route_layout_tables(expert_ids: Tensor, num_experts: int, align: int, block: int
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`route_layout` + `row_tables` on the GPU (`kernels.routing_triton`): ``rows, src, offs,
+    table, tile_ends``, int32."""
+    return _layout_kernels().route_layout_tables(expert_ids, num_experts, align, block)
+
+
+@_route_layout_tables.register_fake
+def _route_layout_tables_fake(expert_ids, num_experts, align, block):
+    t, k = expert_ids.shape
+    m = padded_extent(t * k, num_experts, align)
+    new = functools.partial(expert_ids.new_empty, dtype=torch.int32)
+    return (new(t, k), new(m), new(num_experts),
+            new(group_blocks_bound(m, num_experts, block), ROW_TABLE_COLS), new(num_experts))
+
+
+@define_op("moe_mxfp8::row_tables")
+def _row_tables_kernel(offs: Tensor, m: int, block: int) -> tuple[Tensor, Tensor]:
+    """`row_tables` on the GPU (`kernels.routing_triton`): ``table, tile_ends``, int32."""
+    return _layout_kernels().row_tables(offs.to(torch.int32), m, block)
+
+
+@_row_tables_kernel.register_fake
+def _row_tables_fake(offs, m, block):
+    e = offs.numel()
+    new = functools.partial(offs.new_empty, dtype=torch.int32)
+    return new(group_blocks_bound(m, e, block), ROW_TABLE_COLS), new(e)
+
+
+def step_layout(expert_ids: Tensor, counts: Tensor, align: int, block: int, kernels: bool
+                ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """A step's layout and row tables: ``rows, src, offs`` (`route_layout`) and, with
+    ``kernels`` (the data path's GPU kernels run: they read the tables), ``(table,
+    tile_ends)`` of ``block``-row blocks (`row_tables`), else None. On ``kernels`` the Triton
+    launches of ``moe_mxfp8::route_layout_tables`` give them all (the same integers; they read
+    the counts off ``expert_ids`` themselves)."""
+    _check_align("step_layout", align)
+    if kernels:
+        rows, src, offs, table, tile_ends = torch.ops.moe_mxfp8.route_layout_tables(
+            expert_ids, counts.numel(), align, block)
+        return rows, src, offs, (table, tile_ends)
+    return (*route_layout(expert_ids, counts, align), None)
+
+
+def row_tables_op(offs: Tensor, m: int, block: int) -> tuple[Tensor, Tensor]:
+    """`row_tables` for the data path's GPU kernels: one Triton launch
+    (``moe_mxfp8::row_tables``) on CUDA, the composition elsewhere."""
+    if offs.is_cuda:
+        return torch.ops.moe_mxfp8.row_tables(offs, m, block)
+    return row_tables(offs, m, block)
+
+
 def check_index(who: str, name: str, t, ndim: int, like: Tensor, lo: int = 0,
                 hi: int | None = None) -> None:
     """An index tensor of the data path (``rows``, ``src``, the EP payload's row index): int32
@@ -145,7 +213,7 @@ def row_tables(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> tuple[Tensor,
     groups' cumulative 128-row tile ends (int32 ``(E,)``, the grouped quantizers' table,
     `kernels.quantize_launch.group_tile_ends`; the block table counts the same tiles)."""
     e = offs.numel()
-    nb_bound = (m + (block - 1) * e) // block
+    nb_bound = group_blocks_bound(m, e, block)
     ends = offs.to(torch.int64)
     starts = F.pad(ends[:-1], (1, 0))
     sizes = ends - starts
@@ -164,5 +232,5 @@ def row_tables(offs: Tensor, m: int, block: int = L.BLOCK_SIZE) -> tuple[Tensor,
     re = torch.where(valid, torch.minimum(rs + block, ends[g]), rs)
     before = tiles_before[g]
     prow0 = before * L.TILE_ROWS - start
-    tbl = torch.stack([rs, re, prow0, before, lblk, nblk[g]], 1)
+    tbl = torch.stack([rs, re, prow0, before, lblk, nblk[g]], 1)  # ROW_TABLE_COLS
     return tbl.to(torch.int32), tile_ends

@@ -76,8 +76,28 @@ def _fake_triton() -> dict[str, types.ModuleType]:
     triton = types.ModuleType("triton")
     triton.jit = _Launcher
     triton.cdiv = lambda a, b: -(-a // b)
+    triton.next_power_of_2 = lambda n: 1 << max(n - 1, 0).bit_length()
     triton.language = tl
     return {"triton": triton, "triton.language": tl, "triton.language.extra": extra}
+
+
+class _ZeroFillLauncher(_Launcher):
+    """A routing-layout kernel (`kernels.routing_triton`): its launch zero-fills its int32
+    tensor arguments (uncounted), so that the index tensors it makes are in range for the torch
+    ops that read them (an index op of the combine backward) -- a valid layout, though not the
+    step's."""
+
+    def __getitem__(self, grid):
+        super().__getitem__(grid)  # a launch as any other (the tests count them there)
+
+        def launch(*args, **kwargs):
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.dtype == torch.int32:
+                        a.zero_()
+        return launch
 
 
 def _native_noop():
@@ -105,14 +125,19 @@ def gpu_host_path():
 
     from moe_mxfp8 import backend as B
     from moe_mxfp8 import checks
+    from moe_mxfp8 import routing as RT
     from moe_mxfp8 import stages as ST
 
     dpt = _datapath_triton()
+    rtt = _triton_module("moe_mxfp8.kernels.routing_triton")
+    for name in ("_hist_kernel", "_scan_kernel", "_place_kernel"):
+        setattr(rtt, name, _ZeroFillLauncher(getattr(rtt, name).fn))
     kern = _native_noop()
     stream = native.Stream(0)
     patches = [
         (ST, "use_triton", lambda t, backend: backend != "reference"),
         (ST, "_triton_kernels", lambda: dpt),
+        (RT, "_layout_kernels", lambda: rtt),
         # every device answers as an H100 with CuTeDSL: backend="auto" resolves to sm90 and the
         # quantized SwiGLU stages run on the quantizer (`stages._swiglu_on_quantizer`)
         (B, "device_capability", lambda device: (9, 0)),
@@ -141,12 +166,19 @@ def gpu_host_path():
 
 
 def _datapath_triton() -> types.ModuleType:
-    """A private copy of `kernels.datapath_triton` imported against the stand-in ``triton``
-    (which is in ``sys.modules`` only while it imports: torch's own imports look for the real
-    one)."""
-    name = "moe_mxfp8.kernels.datapath_triton"
+    """A private copy of `kernels.datapath_triton` imported against the stand-in ``triton``."""
+    return _triton_module("moe_mxfp8.kernels.datapath_triton")
+
+
+def _triton_module(name: str) -> types.ModuleType:
+    """A private copy of the Triton kernel module ``name`` imported against the stand-in
+    ``triton`` (which is in ``sys.modules`` only while it imports: torch's own imports look for
+    the real one, and the package's attribute of that name stays what it was)."""
     fake = _fake_triton()
     saved = {n: sys.modules.get(n) for n in (*fake, name)}
+    package, _, leaf = name.rpartition(".")
+    parent = importlib.import_module(package)
+    attr = getattr(parent, leaf, None)
     sys.modules.update(fake)
     sys.modules.pop(name, None)
     try:
@@ -157,6 +189,10 @@ def _datapath_triton() -> types.ModuleType:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = mod
+        if attr is None:
+            parent.__dict__.pop(leaf, None)
+        else:
+            setattr(parent, leaf, attr)
 
 
 class OpCounter(TorchDispatchMode):
