@@ -41,17 +41,10 @@ from . import expert_parallel as EP
 from . import routing as RT
 from . import stages as ST
 from .checks import COMPUTE_DTYPE, NonFiniteInputError
+from .kernels.mx_format import ACT_BLOCK
 from .mx_tensor import MXFP8Tensor
 from .op_library import define_op
-
-
-class Routing(NamedTuple):
-    """The router's decision for ``T`` tokens (`MXFP8MoE.route`)."""
-
-    weights: Tensor  # (T, k) fp32 routing weights (NaN for a non-finite token)
-    expert_ids: Tensor  # (T, k) int64 global expert ids
-    counts: Tensor  # (E,) int64 (token, slot) pairs per global expert
-    aux_loss: Tensor  # fp32 scalar, in the graph
+from .router import Routing, nonfinite_rows
 
 
 class Experts(NamedTuple):
@@ -88,14 +81,6 @@ def nonfinite_error(who: str, count: int, of: str) -> NonFiniteInputError:
     return NonFiniteInputError(
         f"{who}: router scores are not finite for {count} token(s) of {of} (NaN or Inf in the "
         "input or in router.weight)")
-
-
-def nonfinite_rows(logits: Tensor) -> Tensor:
-    """``(T,)`` bool: the rows of ``logits (T, E)`` holding NaN or Inf. ``v * 0`` is 0 for a
-    finite ``v`` and NaN for NaN and Inf, so a row's sum of them is NaN exactly where the row
-    has one: three ops, where ``~isfinite(logits).all(-1)`` dispatches six (on a GPU each is a
-    launch, ~30 us of host time)."""
-    return (logits * 0).sum(dim=-1).isnan()
 
 
 @define_op("moe_mxfp8::nonfinite_rows_or_raise")
@@ -172,7 +157,9 @@ class AllToAllDispatcher:
         k = routing.expert_ids.shape[1]
         # the pairs in expert order with no padding: src[i] is the pair of sorted row i (the
         # stable sort), rows[t, j] the sorted row of pair (t, j)
-        rows, src, offs = RT.route_layout(routing.expert_ids, routing.counts, 1)
+        rows, src, offs, _ = RT.step_layout(routing.expert_ids, routing.counts, 1,
+                                            ACT_BLOCK["1x32"],
+                                            ST.use_triton(routing.expert_ids, experts.backend))
         order = src.to(torch.int64)
         plan = EP.make_plan(routing.counts, self.group, experts.align)
         x_recv = EP.PairsToExperts.apply(x, order, k, plan, self.payload, experts.backend)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -52,15 +51,17 @@ from einops import rearrange
 from torch import nn
 
 from . import dispatcher as DS
+from . import router as RTR
+from . import stages as ST
 from . import weight_cache as WC
 from .backend import AUTO, AutoScaleBlocks, check_backend_name
 from .checks import COMPUTE_DTYPE
 from .config import LAYER, MXFP8MoEConfig, check_finite_mode, check_scale_blocks
 from .kernels.mx_format import K_GROUP_ALIGN
+from .router import router_logits
 
 PARAM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-TINY = torch.finfo(torch.float32).tiny  # guards score sums that underflow to 0 (sigmoid)
 # MXFP8 path: every expert group starts on a multiple of 16 rows (zero rows pad each group).
 # The Hopper wgrad kernel TMA-loads tokens and needs 16-byte aligned token coordinates; an
 # unaligned group takes its slow copy path, measured at 17 vs 394 TFLOP/s (dsv3 wgrad, H100,
@@ -72,45 +73,6 @@ GROUP_ALIGN_ROWS = K_GROUP_ALIGN  # one constant: the wgrad kernel's token align
 # one whole 1x128 block of one group (no partial last block, no tail fix-up in the kernel);
 # exact for the same reason (a zero row never raises a block's amax)
 GROUP_ALIGN_ROWS_1X128 = 128
-
-
-# torch.mm(a, b, out_dtype=torch.float32) for BF16 a, b: a CUDA kernel (cuBLAS, fp32 accumulation)
-_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
-
-
-class _RouterLogits(torch.autograd.Function):
-    """Router logits ``x @ W^T`` (T, E) fp32 for BF16 ``x`` and ``W`` on CUDA.
-
-    A product of two BF16 values is exact in fp32, so one BF16 GEMM with fp32 accumulation and
-    fp32 output gives the logits of the fp32 router (``F.linear(x.float(), W.float())``) up to
-    the order of its fp32 sums, without the fp32 copy of ``x`` that the fp32 GEMM reads, keeps
-    for backward and reads again (docs/design/datapath.md, "Router"). Backward rounds the
-    logits' gradient (T, E) to BF16 once and runs two BF16 GEMMs with fp32 accumulation: ``dx``
-    in BF16 (x's dtype), ``dW`` in W's.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w = ctx.saved_tensors
-        g = grad.to(torch.bfloat16)
-        dx = torch.mm(g, w) if ctx.needs_input_grad[0] else None
-        dw = torch.mm(g.t(), x) if ctx.needs_input_grad[1] else None
-        return dx, dw
-
-
-def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x (T, D) @ w (E, D)^T`` -> (T, E) fp32 logits, fp32 accumulation: `_RouterLogits` for
-    BF16 inputs on CUDA, else the fp32 GEMM of the upcast inputs."""
-    if x.is_cuda and _MM_OUT_DTYPE and x.dtype == w.dtype == torch.bfloat16:
-        return _RouterLogits.apply(x, w)
-    return F.linear(x.float(), w.float())
-
-
 
 
 def group_align_rows(scale_blocks: str) -> int:
@@ -529,26 +491,16 @@ class MXFP8MoE(nn.Module):
                 f"MXFP8MoE: x is on {x.device} but the parameters are on {self.w_gate_up.device}"
             )
 
-    def _nonfinite_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """``(T,)`` bool: tokens whose router logits hold NaN/Inf. Sets ``nonfinite_tokens``; with
-        ``check_finite="raise"`` the dispatcher raises `NonFiniteInputError` (in one process, or
-        on every rank of ``ep_group`` together)."""
-        logits = logits.detach()
-        if self.check_finite == "raise":
-            bad = self.dispatcher.nonfinite_rows_or_raise(logits)
-        else:
-            bad = DS.nonfinite_rows(logits)
-        self.nonfinite_tokens = bad.sum()
-        return bad
-
     # -----------------------------------------------------------------------------------------
     # forward pieces
     # -----------------------------------------------------------------------------------------
 
     def route(self, x: torch.Tensor) -> DS.Routing:
         """``x (T, D)`` -> `Routing`: weights ``(T, k)`` fp32, expert ids ``(T, k)`` int64,
-        counts ``(E,)`` int64 (pairs per global expert) and the auxiliary loss (fp32 scalar)."""
-        t = x.shape[0]
+        counts ``(E,)`` int64 (pairs per global expert) and the auxiliary loss (fp32 scalar)
+        (`moe_mxfp8.router`). Sets ``nonfinite_tokens``; with ``check_finite="raise"`` the
+        dispatcher raises `NonFiniteInputError` first (in one process, or on every rank of
+        ``ep_group`` together)."""
         dev = x.device.type
         # fp32 logits (fp32 accumulation) even under autocast (which would make them BF16).
         no_autocast = (
@@ -558,34 +510,17 @@ class MXFP8MoE(nn.Module):
         )
         with no_autocast:
             logits = router_logits(x, self.router.weight)  # (T, E) fp32
-        bad = self._nonfinite_rows(logits)
-        if self.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
-            probs = scores
+        aux_scale = self.aux_loss_coef * self.num_experts
+        bad = None
+        if self.check_finite == "raise":
+            bad = self.dispatcher.nonfinite_rows_or_raise(logits.detach())
+        if ST.use_triton(logits, self.backend):  # the router's kernels, with the data path's
+            routing, self.nonfinite_tokens = RTR.route(
+                logits, self.top_k, self.score_func, self.renormalize, aux_scale, kernels=True)
         else:
-            scores = logits.sigmoid()
-            probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(TINY)
-        # A non-finite token picks experts 0..k-1 (descending stand-in scores: no ties, so the
-        # same experts on every backend; top-k of NaN scores is not specified) with NaN weights:
-        # its own output is NaN, and no other token's rows or routing change.
-        stand_in = torch.arange(0, -self.num_experts, -1, dtype=scores.dtype,
-                                device=scores.device)
-        expert_ids = torch.where(bad[:, None], stand_in, scores.detach()).topk(
-            self.top_k, dim=-1).indices  # (T, k)
-        weights = scores.gather(1, expert_ids)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(TINY)
-        weights = weights.masked_fill(bad[:, None], math.nan)
-        # Tokens per expert by scatter_add: bincount reads its max on the host (a sync on CUDA)
-        # and has a data-dependent shape; this has neither.
-        flat_ids = rearrange(expert_ids, "t k -> (t k)")
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts = counts.scatter_add(0, flat_ids, torch.ones_like(flat_ids))
-        # Load balance: E * sum_e f_e * P_e, with f_e = counts_e / (T k) (no gradient).
-        frac = counts.to(torch.float32) / max(t * self.top_k, 1)
-        mean_prob = probs.mean(dim=0) if t > 0 else probs.sum(dim=0)
-        aux = self.aux_loss_coef * self.num_experts * (frac * mean_prob).sum()
-        return DS.Routing(weights, expert_ids, counts, aux)
+            routing, self.nonfinite_tokens = RTR.route_reference(
+                logits, self.top_k, self.score_func, self.renormalize, aux_scale, bad)
+        return routing
 
     def _shared_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Dense SwiGLU of the shared experts in BF16 for both precisions: ``x (T, D)`` bf16 ->

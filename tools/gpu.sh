@@ -34,7 +34,7 @@ FILTER="Warn\|range_constexpr"  # CuTeDSL's compile-time notes
 
 declare -A TESTS=(
   [gemm]="tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py tests/kernels/test_selfcheck.py"
-  [layer]="tests/test_moe.py tests/test_autograd.py tests/test_datapath.py tests/test_routing_kernels.py tests/test_grouped_experts.py tests/test_swiglu_kernels.py tests/test_host_path.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py tests/test_auto_scale_blocks.py"
+  [layer]="tests/test_moe.py tests/test_autograd.py tests/test_datapath.py tests/test_routing_kernels.py tests/test_router.py tests/test_grouped_experts.py tests/test_swiglu_kernels.py tests/test_host_path.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py tests/test_auto_scale_blocks.py"
   [quant]="tests/kernels/test_quantize_kernels.py tests/test_domain.py"
   [rest]="tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py tests/test_hf.py"
   [several-gpus]="tests/test_device_placement.py tests/test_fsdp.py tests/test_expert_parallel.py"

@@ -82,10 +82,10 @@ def _fake_triton() -> dict[str, types.ModuleType]:
 
 
 class _ZeroFillLauncher(_Launcher):
-    """A routing-layout kernel (`kernels.routing_triton`): its launch zero-fills its int32
-    tensor arguments (uncounted), so that the index tensors it makes are in range for the torch
-    ops that read them (an index op of the combine backward) -- a valid layout, though not the
-    step's."""
+    """A router or routing-layout kernel (`kernels.router_triton`, `kernels.routing_triton`):
+    its launch zero-fills its integer tensor arguments (uncounted), so that the expert ids and
+    index tensors it makes are in range for the torch ops that read them (an index op of the
+    combine backward) -- a valid routing, though not the step's."""
 
     def __getitem__(self, grid):
         super().__getitem__(grid)  # a launch as any other (the tests count them there)
@@ -95,8 +95,8 @@ class _ZeroFillLauncher(_Launcher):
 
             with _disable_current_modes():
                 for a in args:
-                    if isinstance(a, torch.Tensor) and a.dtype == torch.int32:
-                        a.zero_()
+                    if isinstance(a, torch.Tensor) and a.dtype in (torch.int32, torch.int64):
+                        a.data.zero_()  # .data: no version bump (autograd saved some)
         return launch
 
 
@@ -125,6 +125,7 @@ def gpu_host_path():
 
     from moe_mxfp8 import backend as B
     from moe_mxfp8 import checks
+    from moe_mxfp8 import router as RTR
     from moe_mxfp8 import routing as RT
     from moe_mxfp8 import stages as ST
 
@@ -132,12 +133,16 @@ def gpu_host_path():
     rtt = _triton_module("moe_mxfp8.kernels.routing_triton")
     for name in ("_hist_kernel", "_scan_kernel", "_place_kernel"):
         setattr(rtt, name, _ZeroFillLauncher(getattr(rtt, name).fn))
+    rtr = _triton_module("moe_mxfp8.kernels.router_triton")
+    for name in ("_route_fwd_kernel", "_route_reduce_kernel", "_route_bwd_kernel"):
+        setattr(rtr, name, _ZeroFillLauncher(getattr(rtr, name).fn))
     kern = _native_noop()
     stream = native.Stream(0)
     patches = [
         (ST, "use_triton", lambda t, backend: backend != "reference"),
         (ST, "_triton_kernels", lambda: dpt),
         (RT, "_layout_kernels", lambda: rtt),
+        (RTR, "_kernels", lambda: rtr),
         # every device answers as an H100 with CuTeDSL: backend="auto" resolves to sm90 and the
         # quantized SwiGLU stages run on the quantizer (`stages._swiglu_on_quantizer`)
         (B, "device_capability", lambda device: (9, 0)),
@@ -173,26 +178,38 @@ def _datapath_triton() -> types.ModuleType:
 def _triton_module(name: str) -> types.ModuleType:
     """A private copy of the Triton kernel module ``name`` imported against the stand-in
     ``triton`` (which is in ``sys.modules`` only while it imports: torch's own imports look for
-    the real one, and the package's attribute of that name stays what it was)."""
+    the real one). Every module that import brought in leaves ``sys.modules`` again and the
+    packages' attributes stay what they were, so later imports get the real modules."""
     fake = _fake_triton()
     saved = {n: sys.modules.get(n) for n in (*fake, name)}
-    package, _, leaf = name.rpartition(".")
-    parent = importlib.import_module(package)
-    attr = getattr(parent, leaf, None)
+    before = set(sys.modules)
+    attrs = {}
+    for mod in (name, *[n for n in sys.modules if n.startswith("moe_mxfp8.kernels.")]):
+        package, _, leaf = mod.rpartition(".")
+        parent = importlib.import_module(package)
+        attrs[(package, leaf)] = parent.__dict__.get(leaf)
     sys.modules.update(fake)
     sys.modules.pop(name, None)
     try:
         return importlib.import_module(name)
     finally:
+        for n in set(sys.modules) - before - set(fake) - {name}:
+            del sys.modules[n]  # brought in by this import, against the stand-in
+            package, _, leaf = n.rpartition(".")
+            attrs.setdefault((package, leaf), None)
         for n, mod in saved.items():
             if mod is None:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = mod
-        if attr is None:
-            parent.__dict__.pop(leaf, None)
-        else:
-            setattr(parent, leaf, attr)
+        for (package, leaf), value in attrs.items():
+            parent = sys.modules.get(package)
+            if parent is None:
+                continue
+            if value is None:
+                parent.__dict__.pop(leaf, None)
+            else:
+                setattr(parent, leaf, value)
 
 
 class OpCounter(TorchDispatchMode):

@@ -1,0 +1,194 @@
+"""The router (`moe_mxfp8.router`): the GPU operator ``moe_mxfp8::route_scores``
+(`kernels.router_triton`) against the PyTorch composition `route_reference`, forward and
+backward, both score functions, with and without renormalisation, non-finite tokens, no tokens,
+one expert, more experts than one power-of-two step.
+
+CPU: fake shapes (CI); the kernels in Triton's interpreter and compiled for sm_90 without
+spills (where Triton is installed). GPU (``-m gpu``): the compiled kernels on the device."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import subprocess
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from moe_mxfp8 import router as R
+from moe_mxfp8.config import SCORE_FUNCS
+from tests.triton_sm90 import interpreter_only, run_check_interpreted
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (T, k, E): the layer's top-2 of 8 and top-8 of 128; one token; no tokens; one expert; k = E;
+# 300 experts (a 512-wide expert axis)
+SHAPES = [(37, 2, 8), (50, 8, 128), (1, 1, 4), (0, 2, 6), (5, 1, 1), (33, 5, 5), (20, 4, 300)]
+# the weights and the loss: the same fp32 formulas, sums maybe in another order (the logits'
+# gradient cancels in s * (g - sum(g * s)): an absolute floor at its O(1) scale)
+FWD_RTOL = 2e-6
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _compare(gen, device, t, k, e, score_func, renormalize, nonfinite=()):
+    logits = torch.randn(t, e, generator=gen) * 3
+    for row, value in nonfinite:
+        logits[row, row % e] = value
+    logits = logits.to(device)
+    scale = 0.01 * e
+    ref_in, got_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ref, ref_bad = R.route_reference(ref_in, k, score_func, renormalize, scale)
+    got, got_bad = R.route(got_in, k, score_func, renormalize, scale, kernels=True)
+    what = (t, k, e, score_func, renormalize)
+    # Normal logits: no two scores of a token tie, so both pick the same experts in order
+    assert torch.equal(got.expert_ids, ref.expert_ids), what
+    assert torch.equal(got.counts, ref.counts) and got.counts.dtype == torch.int64, what
+    assert torch.equal(got_bad, ref_bad) and got_bad.dtype == torch.int64, what
+    torch.testing.assert_close(got.weights, ref.weights, rtol=FWD_RTOL, atol=0, equal_nan=True)
+    torch.testing.assert_close(got.aux_loss, ref.aux_loss, rtol=FWD_RTOL, atol=0,
+                               equal_nan=True)
+    dw = torch.randn(t, k, generator=gen).to(device)
+    daux = torch.randn((), generator=gen).to(device)
+    for use_w, use_aux in ((True, True), (True, False), (False, True)):
+        grads = []
+        for out, x in ((ref, ref_in), (got, got_in)):
+            x.grad = None
+            outs = [o for o, on in ((out.weights, use_w), (out.aux_loss, use_aux)) if on]
+            torch.autograd.backward(outs, [g for g, on in ((dw, use_w), (daux, use_aux)) if on],
+                                    retain_graph=True)
+            grads.append(x.grad)
+        torch.testing.assert_close(grads[1], grads[0], equal_nan=True, **GRAD_TOL)
+
+
+def check_router_kernels(gen, device):
+    """Every shape and mode on ``device``, plus a batch with NaN, +Inf and -Inf tokens."""
+    for score_func, renormalize in itertools.product(SCORE_FUNCS, (True, False)):
+        for t, k, e in SHAPES:
+            _compare(gen, device, t, k, e, score_func, renormalize)
+        _compare(gen, device, 40, 2, 8, score_func, renormalize,
+                 nonfinite=((3, float("nan")), (7, float("inf")), (9, -float("inf"))))
+    # exact ties: the lower expert ids first, every run
+    logits = torch.zeros(6, 8, device=device)
+    routing, _ = R.route(logits, 3, "softmax", True, 0.08, kernels=True)
+    assert torch.equal(routing.expert_ids.cpu(), torch.arange(3).expand(6, 3))
+    assert torch.equal(routing.weights.cpu(), torch.full((6, 3), 1 / 3))
+
+
+def check_layer_on_the_kernels(gen, device):
+    """`MXFP8MoE` forward + backward (loss: output and aux loss) with the data path's kernels
+    (router, routing layout, row kernels; the reference GEMMs) against the same layer on the
+    compositions: the same tokens per expert, every output and gradient within fp32 rounding
+    of the router's sums (the logits' gradient reaches the router weight and the input)."""
+    from moe_mxfp8 import MXFP8MoE
+    from moe_mxfp8 import stages as ST
+
+    use_triton = ST.use_triton
+    bf16 = torch.bfloat16
+    try:
+        for precision, score_func in (("bf16", "softmax"), ("mxfp8", "sigmoid")):
+            torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+            m = MXFP8MoE(64, 96, 6, 2, precision=precision, score_func=score_func,
+                         backend="reference", device=device)
+            x = torch.randn(50, 64, generator=gen).to(bf16).to(device)
+            dy = torch.randn(50, 64, generator=gen).to(bf16).to(device)
+            runs = []
+            for on in (False, True):
+                ST.use_triton = lambda _t, _backend, on=on: on  # noqa: E731
+                m.zero_grad(set_to_none=True)
+                xi = x.clone().requires_grad_()
+                y = m(xi)
+                ((y.float() * dy.float()).sum() + m.aux_loss).backward()
+                runs.append((m.tokens_per_expert.clone(), y.detach(), xi.grad, m.aux_loss.detach(),
+                             *(p.grad for p in m.parameters())))
+            (counts, *ref), (got_counts, *got) = runs
+            assert torch.equal(got_counts, counts), (precision, score_func)
+            for a, b in zip(got, ref, strict=True):
+                scale = float(b.float().abs().max())
+                torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=1e-6 * scale)
+    finally:
+        ST.use_triton = use_triton
+
+
+def test_fake_shapes_are_the_references(gen):
+    """What torch.compile traces: the operators' fake outputs have the shapes and dtypes of the
+    composition's (and of what backward needs)."""
+    for t, k, e in SHAPES:
+        logits = torch.randn(t, e, generator=gen)
+        ref, bad = R.route_reference(logits, k, "softmax", True, 0.1)
+        with FakeTensorMode() as mode:
+            out = torch.ops.moe_mxfp8.route_scores(mode.from_tensor(logits), k, False, True, 0.1)
+            dlogits = torch.ops.moe_mxfp8.route_scores_backward(
+                out[0], out[3], out[5], out[1], out[6], out[7], False, True, 0.1)
+        for a, b in zip(out[:5], (*ref, bad), strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+        assert out[5].shape == (t, e) and out[6].shape == (t,) and out[7].shape == (e,)
+        assert dlogits.shape == logits.shape and dlogits.dtype == torch.float32
+
+
+def test_route_off_the_kernels_is_the_reference(gen):
+    logits = torch.randn(20, 8, generator=gen)
+    got, got_bad = R.route(logits, 2, "sigmoid", False, 0.08, kernels=False)
+    ref, ref_bad = R.route_reference(logits, 2, "sigmoid", False, 0.08)
+    assert all(torch.equal(a, b) for a, b in zip((*got, got_bad), (*ref, ref_bad), strict=True))
+
+
+@interpreter_only
+def test_kernels_interpreter(gen):
+    run_check_interpreted("tests.test_router:check_router_kernels", gen)
+
+
+@interpreter_only
+def test_layer_on_the_kernels_interpreter(gen):
+    run_check_interpreted("tests.test_router:check_layer_on_the_kernels", gen)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (300, 4)])
+def test_kernels_compile_for_sm90_without_spills(experts, top_k, tmp_path):
+    """Each kernel builds for sm_90 (IEEE division, libdevice expf as PyTorch's kernels; no
+    atomics) and keeps its tiles in registers."""
+    from moe_mxfp8.kernels import router_triton as K
+
+    from tests.kernels.test_grouped_gemm_sm100 import _nvdisasm
+    from tests.triton_sm90 import compile_for_sm90
+
+    ptrs = {n: "*fp32" for n in ("logits_ptr", "scores_ptr", "w_ptr", "psum_ptr", "frac_ptr",
+                                 "aux_ptr", "dw_ptr", "daux_ptr", "dlogits_ptr")}
+    ptrs.update({"ids_ptr": "*i64", "counts_ptr": "*i64", "nonfinite_ptr": "*i64",
+                 "bad_ptr": "*i8", "pint_ptr": "*i32", "n_tokens": "fp32", "n_pairs": "fp32",
+                 "aux_scale": "fp32"})
+    ep = K.expert_width(experts)
+    flags = {"SIGMOID": False, "RENORM": True, "EP": ep, "INTERP": False}
+    kernels = [
+        (K._route_fwd_kernel, {**flags, "K": top_k, "TB": K.tokens_per_program(ep)}),
+        (K._route_reduce_kernel, {"EP": ep, "CR": K.SCAN_ROWS, "INTERP": False}),
+        (K._route_bwd_kernel, {**flags, "K": top_k, "HAS_DW": True, "HAS_DAUX": True,
+                               "TB": K.tokens_per_program(ep)}),
+    ]
+    exe = _nvdisasm()
+    for fn, constexprs in kernels:
+        k = compile_for_sm90(fn, constexprs, ptrs, 4)
+        ptx = k.asm["ptx"]
+        assert ".target sm_90" in ptx and "atom." not in ptx
+        assert "div.full" not in ptx  # IEEE division (Triton's `/` is approximate)
+        if exe is None:
+            continue
+        cubin = tmp_path / "kernel.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        sass = subprocess.run([exe, "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        assert "STL" not in sass, f"{fn.fn.__name__} ({experts} experts) spills"
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_kernels_match_the_reference(gen):
+    check_router_kernels(gen, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_layer_on_the_kernels(gen):
+    check_layer_on_the_kernels(gen, "cuda")
