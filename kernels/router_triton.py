@@ -37,9 +37,11 @@ import triton.language as tl
 from .datapath_triton import INTERPRET, _div, _exp
 from .device import on_device
 
-MAX_TOKENS_PER_PROGRAM = 16
+# tokens per program at most: forward (fewer programs for the one reducing them), backward
+# (its per-token vectors of the k picks spill past 16 at 4 warps)
+MAX_TOKENS_FWD, MAX_TOKENS_BWD = 64, 16
 TILE_ELEMS = 1024  # tokens x experts of a program's tile: in registers at 4 warps, no spills
-SCAN_ROWS = 32  # programs' partial sums per step of the reduction
+REDUCE_ELEMS = 4096  # programs x experts of partial sums per step of the reduction
 MIN_EXPERTS = 16  # the expert axis is at least this wide
 # torch.finfo(torch.float32).tiny: the floor of the score sums (the reference's clamp_min(TINY))
 FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
@@ -49,9 +51,16 @@ def expert_width(num_experts: int) -> int:
     return max(MIN_EXPERTS, triton.next_power_of_2(num_experts))
 
 
-def tokens_per_program(ep: int) -> int:
-    """Tokens a program routes at expert width ``ep`` (16 down to 2 at 512 experts)."""
-    return max(2, min(MAX_TOKENS_PER_PROGRAM, TILE_ELEMS // ep))
+def tokens_per_program(ep: int, backward: bool = False) -> int:
+    """Tokens a program routes at expert width ``ep`` (forward: 64 at 16 experts down to 2 at
+    512; backward at most 16)."""
+    return max(2, min(MAX_TOKENS_BWD if backward else MAX_TOKENS_FWD, TILE_ELEMS // ep))
+
+
+def reduce_rows(ep: int) -> int:
+    """Programs' partial sums the one reducing program adds per step (256 at 16 experts, 8 at
+    512): its loop runs T / (tokens_per_program * reduce_rows) steps, 4 at dsv3's 65536 tokens."""
+    return max(8, REDUCE_ELEMS // ep)
 
 
 @triton.jit
@@ -242,7 +251,7 @@ def route_forward(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: 
                 num_warps=4)
         _route_reduce_kernel[(1,)](
             psum, pint, counts, frac, aux, nonfinite, n_prog, e, _count(t), _count(t * top_k),
-            float(aux_scale), EP=ep, CR=SCAN_ROWS, INTERP=INTERPRET,
+            float(aux_scale), EP=ep, CR=reduce_rows(ep), INTERP=INTERPRET,
             num_warps=4)
     return weights, ids, counts, aux, nonfinite, scores, bad, frac
 
@@ -257,7 +266,7 @@ def route_backward(dweights: torch.Tensor | None, daux: torch.Tensor | None,
     k = ids.shape[1]
     dlogits = torch.empty_like(scores)
     ep = expert_width(e)
-    tb = tokens_per_program(ep)
+    tb = tokens_per_program(ep, backward=True)
     n_prog = triton.cdiv(t, tb)
     if n_prog == 0:
         return dlogits

@@ -163,9 +163,9 @@ def test_kernels_compile_for_sm90_without_spills(experts, top_k, tmp_path):
     flags = {"SIGMOID": False, "RENORM": True, "EP": ep, "INTERP": False}
     kernels = [
         (K._route_fwd_kernel, {**flags, "K": top_k, "TB": K.tokens_per_program(ep)}),
-        (K._route_reduce_kernel, {"EP": ep, "CR": K.SCAN_ROWS, "INTERP": False}),
+        (K._route_reduce_kernel, {"EP": ep, "CR": K.reduce_rows(ep), "INTERP": False}),
         (K._route_bwd_kernel, {**flags, "K": top_k, "HAS_DW": True, "HAS_DAUX": True,
-                               "TB": K.tokens_per_program(ep)}),
+                               "TB": K.tokens_per_program(ep, backward=True)}),
     ]
     exe = _nvdisasm()
     for fn, constexprs in kernels:
