@@ -80,17 +80,24 @@ def _scores(x, emask, SIGMOID: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _token_tile(pid, T, E, EP: tl.constexpr, TB: tl.constexpr):
+    """Program ``pid``'s tokens ``t (TB,)`` and experts ``e (EP,)``, their masks (tokens,
+    experts ``(1, EP)``, both ``(TB, EP)``) and the ``(TB, EP)`` offsets into a ``(T, E)``
+    row-major tensor."""
+    t = pid * TB + tl.arange(0, TB)
+    e = tl.arange(0, EP)
+    tmask = t < T
+    emask2 = (e < E)[None, :]
+    return t, e, tmask, emask2, tmask[:, None] & emask2, t.to(tl.int64)[:, None] * E + e[None, :]
+
+
+@triton.jit
 def _route_fwd_kernel(logits_ptr, scores_ptr, w_ptr, ids_ptr, bad_ptr, psum_ptr, pint_ptr,
                       T, E, K: tl.constexpr, SIGMOID: tl.constexpr,
                       RENORM: tl.constexpr, EP: tl.constexpr, TB: tl.constexpr,
                       INTERP: tl.constexpr):
     pid = tl.program_id(0)
-    t = pid * TB + tl.arange(0, TB)
-    e = tl.arange(0, EP)
-    tmask = t < T
-    emask2 = (e < E)[None, :]
-    m2 = tmask[:, None] & emask2
-    off = t.to(tl.int64)[:, None] * E + e[None, :]
+    t, e, tmask, emask2, m2, off = _token_tile(pid, T, E, EP, TB)
     x = tl.load(logits_ptr + off, mask=m2, other=0.0)
     # NaN or Inf: x - x is NaN exactly there
     bad = tl.sum(tl.where(m2 & ((x - x) != 0.0), 1, 0), axis=1) > 0
@@ -156,13 +163,7 @@ def _route_bwd_kernel(scores_ptr, ids_ptr, bad_ptr, dw_ptr, frac_ptr, daux_ptr, 
                       T, E, n_tokens, aux_scale, K: tl.constexpr, SIGMOID: tl.constexpr,
                       RENORM: tl.constexpr, HAS_DW: tl.constexpr, HAS_DAUX: tl.constexpr,
                       EP: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr):
-    pid = tl.program_id(0)
-    t = pid * TB + tl.arange(0, TB)
-    e = tl.arange(0, EP)
-    tmask = t < T
-    emask2 = (e < E)[None, :]
-    m2 = tmask[:, None] & emask2
-    off = t.to(tl.int64)[:, None] * E + e[None, :]
+    t, e, tmask, emask2, m2, off = _token_tile(tl.program_id(0), T, E, EP, TB)
     s = tl.load(scores_ptr + off, mask=m2, other=0.0)
     ds = tl.zeros((TB, EP), dtype=tl.float32)
     if HAS_DW:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import subprocess
 
 import pytest
 import torch
@@ -507,16 +506,9 @@ def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
     # the columnwise copy's transposed rows go out as 16-byte stores (aligned groups)
     assert "st.global.v4.b32" in ptx
     if name == "_dispatch_kernel" or (name == "_swiglu_fwd_kernel" and ablk == 32):
-        from tests.kernels.test_grouped_gemm_sm100 import _nvdisasm
+        from tests.triton_sm90 import assert_no_spills
 
-        exe = _nvdisasm()
-        if exe is None:
-            pytest.skip("nvdisasm not available")
-        cubin = tmp_path / "kernel.cubin"
-        cubin.write_bytes(k.asm["cubin"])
-        sass = subprocess.run([exe, "-c", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
-        assert "STL" not in sass, f"{name} (ABLK {ablk}) spills to local memory"
+        assert_no_spills(k, tmp_path, f"{name} (ABLK {ablk})")
 
 
 @pytest.mark.gpu

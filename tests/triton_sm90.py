@@ -40,6 +40,38 @@ def run_check_interpreted(check: str, gen: torch.Generator) -> None:
                     f"c(torch.Generator().manual_seed({seed}), 'cpu')", seed)
 
 
+def assert_no_spills(kernel, tmp_path, what: str) -> None:
+    """``kernel`` (`compile_for_sm90`'s) keeps everything in registers: no local-memory store
+    in its SASS (nvdisasm; the test skips where it is not installed, so call it last)."""
+    from tests.kernels.test_grouped_gemm_sm100 import _nvdisasm
+
+    exe = _nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not available")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run([exe, "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "STL" not in sass, f"{what} spills to local memory"
+
+
+def check_sm90_builds(kernels, pointer_types: dict, num_warps: int, tmp_path, label: str,
+                      forbidden: tuple[str, ...] = ()) -> None:
+    """Each ``(kernel, constexprs)`` of ``kernels`` compiles for sm_90 (`compile_for_sm90`), its
+    PTX holds none of ``forbidden``, then none spills (`assert_no_spills`, last: it skips
+    without nvdisasm)."""
+    built = []
+    for fn, constexprs in kernels:
+        k = compile_for_sm90(fn, constexprs, pointer_types, num_warps)
+        ptx = k.asm["ptx"]
+        assert ".target sm_90" in ptx
+        for text in forbidden:
+            assert text not in ptx, f"{fn.fn.__name__} ({label}): {text!r} in its PTX"
+        built.append((fn, k))
+    for fn, k in built:
+        assert_no_spills(k, tmp_path, f"{fn.fn.__name__} ({label})")
+
+
 def compile_for_sm90(fn, constexprs: dict, pointer_types: dict, num_warps: int,
                      aligned_except: tuple[str, ...] | None = None, maxnreg: int | None = None):
     """``fn`` (a ``@triton.jit`` kernel) with ``constexprs``; every other argument is a pointer
