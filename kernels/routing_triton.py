@@ -38,10 +38,10 @@ from .device import on_device
 from .mx_format import ROW_TABLE_COLS, TILE_ROWS, group_blocks_bound, padded_extent
 
 CHUNK = 1024  # pairs per program of the histogram and placement passes
-SCAN_ROWS = 32  # chunks per step of the prefix pass
-TABLE_ROWS = 64  # block-table rows per program
+SCAN_ROWS, TABLE_ROWS = 32, 64  # at most: chunks per step of the prefix pass, table rows a program
 MIN_EXPERTS = 16  # the expert axis is at least this wide (tl.arange, reductions)
 ONE_HOT_ELEMS = 8192  # pairs x experts per step of a one-hot pass (registers of 4 warps)
+TILE_ELEMS = 16384  # chunks or table rows x experts of the prefix and table tiles
 
 
 def expert_width(num_experts: int) -> int:
@@ -50,8 +50,19 @@ def expert_width(num_experts: int) -> int:
 
 
 def pairs_per_step(ep: int) -> int:
-    """Pairs per step of the one-hot passes at expert width ``ep`` (at least 16)."""
-    return max(16, ONE_HOT_ELEMS // ep)
+    """Pairs per step of the one-hot passes at expert width ``ep`` (512 at 16 experts, 16 at 512,
+    at least 4): each step's ``(pairs, EP)`` tile in registers."""
+    return max(4, ONE_HOT_ELEMS // ep)
+
+
+def scan_rows(ep: int) -> int:
+    """Chunks per step of the prefix pass at expert width ``ep`` (32 up to 512 experts)."""
+    return max(2, min(SCAN_ROWS, TILE_ELEMS // ep))
+
+
+def table_rows(ep: int) -> int:
+    """Block-table rows per program at expert width ``ep`` (64 up to 256 experts)."""
+    return max(2, min(TABLE_ROWS, TILE_ELEMS // ep))
 
 
 @triton.jit
@@ -170,9 +181,10 @@ def _place(ids, hist, rows, src, offs, m_pad, block, nch, num_experts, meta):
     nb = group_blocks_bound(m_pad, num_experts, block)
     tbl = offs.new_empty(nb, ROW_TABLE_COLS)
     tile_ends = offs.new_empty(num_experts)
-    grid = (nch + triton.cdiv(nb, TABLE_ROWS),)
+    tb = table_rows(meta["EP"])
+    grid = (nch + triton.cdiv(nb, tb),)
     _place_kernel[grid](ids, hist, rows, src, offs, tbl, tile_ends, ids.numel(), nch,
-                        num_experts, m_pad, nb, BLK=block, TILE=TILE_ROWS, TB=TABLE_ROWS,
+                        num_experts, m_pad, nb, BLK=block, TILE=TILE_ROWS, TB=tb,
                         **meta)
     return tbl, tile_ends
 
@@ -197,7 +209,7 @@ def route_layout_tables(expert_ids: torch.Tensor, num_experts: int, align: int, 
         if nch:
             _hist_kernel[(nch,)](ids, hist, m, **meta)
         _scan_kernel[(1,)](hist, offs, nch, num_experts, m_pad, ALIGN=align, EP=meta["EP"],
-                           CR=SCAN_ROWS, num_warps=4)
+                           CR=scan_rows(meta["EP"]), num_warps=4)
         tbl, tile_ends = _place(ids, hist, rows, src, offs, m_pad, block, nch, num_experts, meta)
     return rows, src, offs, tbl, tile_ends
 

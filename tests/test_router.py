@@ -144,7 +144,7 @@ def test_layer_on_the_kernels_interpreter(gen):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (300, 4)])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (300, 4), (1500, 8)])
 def test_kernels_compile_for_sm90_without_spills(experts, top_k, tmp_path):
     """Each kernel builds for sm_90 (IEEE division, libdevice expf as PyTorch's kernels; no
     atomics) and keeps its tiles in registers."""

@@ -90,7 +90,7 @@ def test_kernels_interpreter(gen):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-@pytest.mark.parametrize("experts", [8, 128, 300])
+@pytest.mark.parametrize("experts", [8, 128, 300, 1500])
 def test_kernels_compile_for_sm90_without_spills(experts, tmp_path):
     """Each kernel builds for sm_90 with the launch constants of ``experts`` experts (one-hot
     steps of 8192 pairs x experts at 4 warps) and keeps them in registers."""
@@ -103,8 +103,9 @@ def test_kernels_compile_for_sm90_without_spills(experts, tmp_path):
     meta = K._meta(experts)
     warps = meta.pop("num_warps")
     kernels = [(K._hist_kernel, meta),
-               (K._scan_kernel, {"ALIGN": 128, "EP": meta["EP"], "CR": K.SCAN_ROWS}),
-               (K._place_kernel, {**meta, "BLK": 32, "TILE": 128, "TB": K.TABLE_ROWS})]
+               (K._scan_kernel, {"ALIGN": 128, "EP": meta["EP"], "CR": K.scan_rows(meta["EP"])}),
+               (K._place_kernel, {**meta, "BLK": 32, "TILE": 128,
+                                  "TB": K.table_rows(meta["EP"])})]
     # no atomics: the layout must not depend on timing
     check_sm90_builds(kernels, ptrs, warps, tmp_path, f"{experts} experts", ("atom.",))
 
