@@ -37,11 +37,12 @@ import triton.language as tl
 from .datapath_triton import INTERPRET, _div, _exp
 from .device import on_device
 
-# tokens per program at most: forward (fewer programs for the one reducing them), backward
-# (its per-token vectors of the k picks spill past 16 at 4 warps)
+# A program's tile, tokens x experts, at most (forward: fewer programs for the one reducing
+# them; backward: its per-token vectors of the k picks spill past these at 4 warps), and the
+# partial sums (programs x experts) the reducing program adds per step
 MAX_TOKENS_FWD, MAX_TOKENS_BWD = 64, 16
-TILE_ELEMS = 1024  # tokens x experts of a program's tile: in registers at 4 warps, no spills
-REDUCE_ELEMS = 4096  # programs x experts of partial sums per step of the reduction
+TILE_ELEMS_FWD, TILE_ELEMS_BWD = 2048, 1024
+REDUCE_ELEMS = 8192
 MIN_EXPERTS = 16  # the expert axis is at least this wide
 # torch.finfo(torch.float32).tiny: the floor of the score sums (the reference's clamp_min(TINY))
 FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
@@ -52,14 +53,17 @@ def expert_width(num_experts: int) -> int:
 
 
 def tokens_per_program(ep: int, backward: bool = False) -> int:
-    """Tokens a program routes at expert width ``ep`` (forward: 64 at 16 experts down to 2 at
-    512; backward at most 16)."""
-    return max(2, min(MAX_TOKENS_BWD if backward else MAX_TOKENS_FWD, TILE_ELEMS // ep))
+    """Tokens a program routes at expert width ``ep`` (forward: 64 at 16 experts, 16 at 128,
+    4 at 512; backward at most 16)."""
+    if backward:
+        return max(2, min(MAX_TOKENS_BWD, TILE_ELEMS_BWD // ep))
+    return max(2, min(MAX_TOKENS_FWD, TILE_ELEMS_FWD // ep))
 
 
 def reduce_rows(ep: int) -> int:
-    """Programs' partial sums the one reducing program adds per step (256 at 16 experts, 8 at
-    512): its loop runs T / (tokens_per_program * reduce_rows) steps, 4 at dsv3's 65536 tokens."""
+    """Programs' partial sums the one reducing program adds per step (512 at 16 experts, 64 at
+    128): its loop runs T / (tokens_per_program * reduce_rows) steps -- 2 at dsv3's 65536 tokens
+    and 8 experts, 16 at qwen3's 16384 tokens and 128 experts."""
     return max(8, REDUCE_ELEMS // ep)
 
 
