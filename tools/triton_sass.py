@@ -1,4 +1,5 @@
-"""Instruction mix of the Triton kernels (data path, EP payload, weight transpose), from their
+"""Instruction mix of the Triton kernels (data path, router, routing layout, EP payload, weight
+transpose), from their
 sm_90 SASS (CPU only).
 
 ``python tools/triton_sass.py [--kernels swiglu_fwd,...] [--keep DIR]`` (needs Triton, whose
@@ -27,9 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 POINTER_TYPES = {
     "x_ptr": "*bf16", "h_ptr": "*bf16", "da_ptr": "*bf16", "dout_ptr": "*bf16", "y_ptr": "*bf16",
     "out_ptr": "*bf16", "src_ptr": "*i32", "tbl_ptr": "*i32", "w_ptr": "*fp32",
-    "part_ptr": "*fp32", "idx_ptr": "*i64",
+    "part_ptr": "*fp32", "idx_ptr": "*i64", "ids_ptr": "*i64",
+    # the router's and the routing layout's (their float scalars too)
+    **{n: "*fp32" for n in ("logits_ptr", "scores_ptr", "psum_ptr", "frac_ptr", "aux_ptr",
+                            "dw_ptr", "daux_ptr", "dlogits_ptr")},
+    **{n: "*i32" for n in ("pint_ptr", "hist_ptr", "rows_ptr", "offs_ptr", "tile_ends_ptr")},
+    "counts_ptr": "*i64", "nonfinite_ptr": "*i64", "bad_ptr": "*i8",
+    "n_tokens": "fp32", "n_pairs": "fp32", "aux_scale": "fp32",
 }
-NOT_ALIGNED = ("R",)  # the EP payload rows: any count (M, the layout extent, is 16-aligned)
+# any count: the EP payload rows (M, the layout extent, is 16-aligned); tokens, pairs, chunks
+NOT_ALIGNED = ("R", "T", "M", "NCH", "NP", "NB", "M_PAD")
 # the MXFP8 training path's outputs (rowwise + columnwise copies) and the BF16 twin's
 MXFP8_OUTS = {"QROW": True, "QCOL": True, "BF16": False}
 TWIN_OUTS = {"QROW": False, "QCOL": False, "BF16": True}
@@ -49,6 +57,8 @@ def kernels() -> dict:
     """name -> (jit function, constexprs, warps, elements per program)."""
     from moe_mxfp8.kernels import datapath_triton as K
     from moe_mxfp8.kernels import ep_payload_triton as P
+    from moe_mxfp8.kernels import router_triton as RK
+    from moe_mxfp8.kernels import routing_triton as LK
     from moe_mxfp8.kernels import weights_triton as W
 
     out = {}
@@ -69,6 +79,18 @@ def kernels() -> dict:
     out["ep unpack"] = (P._unpack_kernel, {"INTERP": False, "RB": P.ROWS, "CB": P.UNPACK_COLS},
                         P.WARPS, P.ROWS * P.UNPACK_COLS)
     out["weights transpose"] = (W._transpose_kernel, {"T": W.TILE}, 4, W.TILE * W.TILE)
+    for e, k in ((8, 2), (128, 8)):  # dsv3 / mixtral, qwen3
+        ep = RK.expert_width(e)
+        tb, tbb = RK.tokens_per_program(ep), RK.tokens_per_program(ep, backward=True)
+        flags = {"SIGMOID": False, "RENORM": True, "EP": ep, "K": k, "INTERP": False}
+        out[f"router fwd E{e}"] = (RK._route_fwd_kernel, {**flags, "TB": tb}, 4, tb * ep)
+        out[f"router bwd E{e}"] = (RK._route_bwd_kernel, {**flags, "TB": tbb, "HAS_DW": True,
+                                                          "HAS_DAUX": True}, 4, tbb * ep)
+        meta = LK._meta(e)
+        warps = meta.pop("num_warps")
+        out[f"layout place E{e}"] = (LK._place_kernel, {**meta, "BLK": 32, "TILE": 128,
+                                                        "TB": LK.table_rows(meta["EP"])},
+                                     warps, LK.CHUNK)
     return out
 
 
