@@ -95,7 +95,7 @@ def _token_tile(pid, T, E, EP: tl.constexpr, TB: tl.constexpr):
     return t, e, tmask, emask2, tmask[:, None] & emask2, t.to(tl.int64)[:, None] * E + e[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one build for every token count
 def _route_fwd_kernel(logits_ptr, scores_ptr, w_ptr, ids_ptr, bad_ptr, psum_ptr, pint_ptr,
                       T, E, K: tl.constexpr, SIGMOID: tl.constexpr,
                       RENORM: tl.constexpr, EP: tl.constexpr, TB: tl.constexpr,
@@ -135,7 +135,7 @@ def _route_fwd_kernel(logits_ptr, scores_ptr, w_ptr, ids_ptr, bad_ptr, psum_ptr,
     tl.store(pint_ptr + tl.num_programs(0) * EP + pid, tl.sum(tl.where(tmask & bad, 1, 0), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NP"])
 def _route_reduce_kernel(psum_ptr, pint_ptr, counts_ptr, frac_ptr, aux_ptr, nonfinite_ptr, NP,
                          E, n_tokens, n_pairs, aux_scale, EP: tl.constexpr,
                          CR: tl.constexpr, INTERP: tl.constexpr):
@@ -162,7 +162,7 @@ def _route_reduce_kernel(psum_ptr, pint_ptr, counts_ptr, frac_ptr, aux_ptr, nonf
     tl.store(nonfinite_ptr, tl.sum(nbad, axis=0).to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_bwd_kernel(scores_ptr, ids_ptr, bad_ptr, dw_ptr, frac_ptr, daux_ptr, dlogits_ptr,
                       T, E, n_tokens, aux_scale, K: tl.constexpr, SIGMOID: tl.constexpr,
                       RENORM: tl.constexpr, HAS_DW: tl.constexpr, HAS_DAUX: tl.constexpr,

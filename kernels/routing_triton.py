@@ -65,7 +65,7 @@ def table_rows(ep: int) -> int:
     return max(2, min(TABLE_ROWS, TILE_ELEMS // ep))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one build for every token count
 def _hist_kernel(ids_ptr, hist_ptr, M, EP: tl.constexpr, CHUNK: tl.constexpr,
                  SB: tl.constexpr):
     c = tl.program_id(0)
@@ -78,7 +78,7 @@ def _hist_kernel(ids_ptr, hist_ptr, M, EP: tl.constexpr, CHUNK: tl.constexpr,
     tl.store(hist_ptr + c * EP + e, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NCH", "M_PAD"])
 def _scan_kernel(hist_ptr, offs_ptr, NCH, E, M_PAD, ALIGN: tl.constexpr, EP: tl.constexpr,
                  CR: tl.constexpr):
     e = tl.arange(0, EP)
@@ -156,7 +156,7 @@ def _tables(offs_ptr, tbl_ptr, tile_ends_ptr, t, E, M_PAD, NB, BLK: tl.constexpr
     tl.store(out + 5, _pick(sel, nblk), mask=jmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "NCH", "M_PAD", "NB"])
 def _place_kernel(ids_ptr, hist_ptr, rows_ptr, src_ptr, offs_ptr, tbl_ptr, tile_ends_ptr, M,
                   NCH, E, M_PAD, NB, BLK: tl.constexpr, TILE: tl.constexpr, EP: tl.constexpr,
                   CHUNK: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr):
