@@ -178,21 +178,26 @@ def _meta(num_experts: int) -> dict:
 
 
 def _place(ids, hist, rows, src, offs, m_pad, block, nch, num_experts, meta):
-    nb = group_blocks_bound(m_pad, num_experts, block)
+    """The placement launch: ``nch`` chunk programs, then the table programs of ``block``-row
+    blocks (none for ``block`` 0: empty table and tile ends)."""
+    nb = group_blocks_bound(m_pad, num_experts, block) if block else 0
     tbl = offs.new_empty(nb, ROW_TABLE_COLS)
-    tile_ends = offs.new_empty(num_experts)
+    tile_ends = offs.new_empty(num_experts if block else 0)
     tb = table_rows(meta["EP"])
     grid = (nch + triton.cdiv(nb, tb),)
-    _place_kernel[grid](ids, hist, rows, src, offs, tbl, tile_ends, ids.numel(), nch,
-                        num_experts, m_pad, nb, BLK=block, TILE=TILE_ROWS, TB=tb,
-                        **meta)
+    if grid[0]:
+        # BLK only shapes the table programs: without them, the 1x128 build serves
+        _place_kernel[grid](ids, hist, rows, src, offs, tbl, tile_ends, ids.numel(), nch,
+                            num_experts, m_pad, nb, BLK=block or TILE_ROWS, TILE=TILE_ROWS,
+                            TB=tb, **meta)
     return tbl, tile_ends
 
 
 def route_layout_tables(expert_ids: torch.Tensor, num_experts: int, align: int, block: int):
     """``expert_ids (T, k)`` (int32/int64, values in ``[0, E)``) -> ``rows (T, k)``, ``src
     (M_pad,)``, ``offs (E,)``, ``table (NB, 6)``, ``tile_ends (E,)``, all int32: `route_layout`
-    with ``align`` and `row_tables` of ``block``-row blocks."""
+    with ``align`` and `row_tables` of ``block``-row blocks (``block`` 0: no tables, both
+    returned empty)."""
     t, k = expert_ids.shape
     m = t * k
     m_pad = padded_extent(m, num_experts, align)

@@ -37,7 +37,7 @@ from .kernels.mx_format import ACT_BLOCK, WEIGHT_BLOCK_ROWS
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_weights
-from .routing import check_layout, numel_of, row_tables_op, step_layout
+from .routing import check_layout, numel_of, step_layout
 
 BF16 = torch.bfloat16
 
@@ -74,7 +74,7 @@ def _step_tables(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend:
     built once per step ((None, None) where the references run)."""
     if not ST.use_triton(like, backend):
         return None, None
-    return row_tables_op(offs, m, ACT_BLOCK[scale_blocks])
+    return torch.ops.moe_mxfp8.row_tables(offs, m, ACT_BLOCK[scale_blocks])
 
 
 def layout(expert_ids: Tensor, counts: Tensor, align: int, precision: str, scale_blocks: str,

@@ -41,7 +41,6 @@ from . import expert_parallel as EP
 from . import routing as RT
 from . import stages as ST
 from .checks import COMPUTE_DTYPE, NonFiniteInputError
-from .kernels.mx_format import ACT_BLOCK
 from .mx_tensor import MXFP8Tensor
 from .op_library import define_op
 from .router import Routing, nonfinite_rows
@@ -157,8 +156,7 @@ class AllToAllDispatcher:
         k = routing.expert_ids.shape[1]
         # the pairs in expert order with no padding: src[i] is the pair of sorted row i (the
         # stable sort), rows[t, j] the sorted row of pair (t, j)
-        rows, src, offs, _ = RT.step_layout(routing.expert_ids, routing.counts, 1,
-                                            ACT_BLOCK["1x32"],
+        rows, src, offs, _ = RT.step_layout(routing.expert_ids, routing.counts, 1, None,
                                             ST.use_triton(routing.expert_ids, experts.backend))
         order = src.to(torch.int64)
         plan = EP.make_plan(routing.counts, self.group, experts.align)

@@ -514,12 +514,10 @@ class MXFP8MoE(nn.Module):
         bad = None
         if self.check_finite == "raise":
             bad = self.dispatcher.nonfinite_rows_or_raise(logits.detach())
-        if ST.use_triton(logits, self.backend):  # the router's kernels, with the data path's
-            routing, self.nonfinite_tokens = RTR.route(
-                logits, self.top_k, self.score_func, self.renormalize, aux_scale, kernels=True)
-        else:
-            routing, self.nonfinite_tokens = RTR.route_reference(
-                logits, self.top_k, self.score_func, self.renormalize, aux_scale, bad)
+        # the router's kernels where the data path's run
+        routing, self.nonfinite_tokens = RTR.route(
+            logits, self.top_k, self.score_func, self.renormalize, aux_scale,
+            ST.use_triton(logits, self.backend), bad)
         return routing
 
     def _shared_experts(self, x: torch.Tensor) -> torch.Tensor:

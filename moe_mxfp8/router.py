@@ -181,12 +181,13 @@ _route_scores.register_autograd(_route_scores_grad, setup_context=_route_scores_
 
 
 def route(logits: Tensor, top_k: int, score_func: str, renormalize: bool, aux_scale: float,
-          kernels: bool) -> tuple[Routing, Tensor]:
+          kernels: bool, bad: Tensor | None = None) -> tuple[Routing, Tensor]:
     """``logits (T, E)`` fp32 -> (`Routing`, non-finite tokens (int64 scalar)): on ``kernels``
     (CUDA with Triton, the data path's kernels in use) the operator
-    ``moe_mxfp8::route_scores``, else `route_reference`."""
+    ``moe_mxfp8::route_scores`` (which finds the non-finite rows itself), else
+    `route_reference` (``bad``: those rows, if already known)."""
     if not kernels:
-        return route_reference(logits, top_k, score_func, renormalize, aux_scale)
+        return route_reference(logits, top_k, score_func, renormalize, aux_scale, bad)
     weights, ids, counts, aux, nonfinite, *_ = torch.ops.moe_mxfp8.route_scores(
         logits.contiguous(), top_k, score_func == "sigmoid", renormalize, aux_scale)
     return Routing(weights, ids, counts, aux), nonfinite

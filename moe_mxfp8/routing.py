@@ -14,10 +14,10 @@ gives, on the device and without a host sync::
 each, from the counts alone (no sort). `block_table` cuts that buffer into the row kernels'
 blocks (`moe_mxfp8.stages`).
 
-These PyTorch compositions are the references and the CPU path. On a GPU, `step_layout` and
-`row_tables_op` run the same integers as three Triton launches (`kernels.routing_triton`,
-operators ``moe_mxfp8::route_layout_tables`` / ``moe_mxfp8::row_tables``) instead of some fifty
-small device ops, each of which costs host time.
+These PyTorch compositions are the references and the CPU path. On a GPU, `step_layout` runs
+the same integers as three Triton launches (`kernels.routing_triton`, operator
+``moe_mxfp8::route_layout_tables``; the row tables alone: ``moe_mxfp8::row_tables``) instead of
+some fifty small device ops, each of which costs host time.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _layout_kernels():
 def _route_layout_tables(expert_ids: Tensor, num_experts: int, align: int, block: int
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`route_layout` + `row_tables` on the GPU (`kernels.routing_triton`): ``rows, src, offs,
-    table, tile_ends``, int32."""
+    table, tile_ends``, int32 (``block`` 0: no tables, both empty)."""
     return _layout_kernels().route_layout_tables(expert_ids, num_experts, align, block)
 
 
@@ -118,8 +118,9 @@ def _route_layout_tables_fake(expert_ids, num_experts, align, block):
     t, k = expert_ids.shape
     m = padded_extent(t * k, num_experts, align)
     new = functools.partial(expert_ids.new_empty, dtype=torch.int32)
-    return (new(t, k), new(m), new(num_experts),
-            new(group_blocks_bound(m, num_experts, block), ROW_TABLE_COLS), new(num_experts))
+    nb = group_blocks_bound(m, num_experts, block) if block else 0
+    return (new(t, k), new(m), new(num_experts), new(nb, ROW_TABLE_COLS),
+            new(num_experts if block else 0))
 
 
 @define_op("moe_mxfp8::row_tables")
@@ -135,27 +136,19 @@ def _row_tables_fake(offs, m, block):
     return new(group_blocks_bound(m, e, block), ROW_TABLE_COLS), new(e)
 
 
-def step_layout(expert_ids: Tensor, counts: Tensor, align: int, block: int, kernels: bool
-                ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+def step_layout(expert_ids: Tensor, counts: Tensor, align: int, block: int | None,
+                kernels: bool) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """A step's layout and row tables: ``rows, src, offs`` (`route_layout`) and, with
-    ``kernels`` (the data path's GPU kernels run: they read the tables), ``(table,
-    tile_ends)`` of ``block``-row blocks (`row_tables`), else None. On ``kernels`` the Triton
-    launches of ``moe_mxfp8::route_layout_tables`` give them all (the same integers; they read
-    the counts off ``expert_ids`` themselves)."""
+    ``kernels`` (the data path's GPU kernels run: they read the tables) and a ``block``,
+    ``(table, tile_ends)`` of ``block``-row blocks (`row_tables`), else None. On ``kernels``
+    the Triton launches of ``moe_mxfp8::route_layout_tables`` give them all (the same integers;
+    they read the counts off ``expert_ids`` themselves)."""
     _check_align("step_layout", align)
-    if kernels:
-        rows, src, offs, table, tile_ends = torch.ops.moe_mxfp8.route_layout_tables(
-            expert_ids, counts.numel(), align, block)
-        return rows, src, offs, (table, tile_ends)
-    return (*route_layout(expert_ids, counts, align), None)
-
-
-def row_tables_op(offs: Tensor, m: int, block: int) -> tuple[Tensor, Tensor]:
-    """`row_tables` for the data path's GPU kernels: one Triton launch
-    (``moe_mxfp8::row_tables``) on CUDA, the composition elsewhere."""
-    if offs.is_cuda:
-        return torch.ops.moe_mxfp8.row_tables(offs, m, block)
-    return row_tables(offs, m, block)
+    if not kernels:
+        return (*route_layout(expert_ids, counts, align), None)
+    rows, src, offs, table, tile_ends = torch.ops.moe_mxfp8.route_layout_tables(
+        expert_ids, counts.numel(), align, block or 0)
+    return rows, src, offs, None if block is None else (table, tile_ends)
 
 
 def check_index(who: str, name: str, t, ndim: int, like: Tensor, lo: int = 0,

@@ -55,6 +55,10 @@ def check_layout_kernels(gen, device):
             assert torch.equal(a, b), (name, (t, k, e, align, block), (a != b).nonzero()[:4])
         got = torch.ops.moe_mxfp8.row_tables(want[2], want[1].numel(), block)
         assert torch.equal(got[0], want[3]) and torch.equal(got[1], want[4]), (t, k, e, block)
+        # block 0 (expert parallelism's layout): the same layout, no tables
+        *layout, table, tile_ends = torch.ops.moe_mxfp8.route_layout_tables(ids, e, align, 0)
+        assert all(torch.equal(a, b) for a, b in zip(layout, want[:3], strict=True)), (t, k, e)
+        assert table.shape == (0, 6) and tile_ends.shape == (0,)
 
 
 def test_fake_shapes_are_the_references(gen):
@@ -69,8 +73,10 @@ def test_fake_shapes_are_the_references(gen):
             got = torch.ops.moe_mxfp8.route_layout_tables(mode.from_tensor(ids), e, align,
                                                           block)
             tables = torch.ops.moe_mxfp8.row_tables(mode.from_tensor(offs), src.numel(), block)
+            untabled = torch.ops.moe_mxfp8.route_layout_tables(mode.from_tensor(ids), e, align, 0)
         for a, b in zip((*got, *tables), (*want, *want[3:]), strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype
+        assert [tuple(a.shape) for a in untabled[3:]] == [(0, 6), (0,)]
 
 
 def test_step_layout_off_the_kernels_is_route_layout(gen):
