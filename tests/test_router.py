@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moe_mxfp8 import router as R
 from moe_mxfp8.config import SCORE_FUNCS
+from tests.compare import sqnr_db
 from tests.triton_sm90 import interpreter_only, run_check_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -31,8 +32,17 @@ FWD_RTOL = 2e-6
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
+def _spaced_logits(gen, t, e):
+    """Random logits whose scores cannot tie in fp32: each row a random order of E values
+    spaced 6/E apart over [-3, 3], plus a random offset (sigmoid scores near 1 stay
+    distinguishable; plain normal logits put a few per run within an ulp of each other there,
+    where the two implementations' last bits then pick either)."""
+    order = torch.argsort(torch.rand(t, e, generator=gen), dim=1).float()
+    return (order - (e - 1) / 2) * (6 / e) + torch.randn(t, 1, generator=gen)
+
+
 def _compare(gen, device, t, k, e, score_func, renormalize, nonfinite=()):
-    logits = torch.randn(t, e, generator=gen) * 3
+    logits = _spaced_logits(gen, t, e)
     for row, value in nonfinite:
         logits[row, row % e] = value
     logits = logits.to(device)
@@ -41,7 +51,7 @@ def _compare(gen, device, t, k, e, score_func, renormalize, nonfinite=()):
     ref, ref_bad = R.route_reference(ref_in, k, score_func, renormalize, scale)
     got, got_bad = R.route(got_in, k, score_func, renormalize, scale, kernels=True)
     what = (t, k, e, score_func, renormalize)
-    # Normal logits: no two scores of a token tie, so both pick the same experts in order
+    # Spaced logits: no two scores of a token tie, so both pick the same experts in order
     assert torch.equal(got.expert_ids, ref.expert_ids), what
     assert torch.equal(got.counts, ref.counts) and got.counts.dtype == torch.int64, what
     assert torch.equal(got_bad, ref_bad) and got_bad.dtype == torch.int64, what
@@ -78,8 +88,12 @@ def check_router_kernels(gen, device):
 def check_layer_on_the_kernels(gen, device):
     """`MXFP8MoE` forward + backward (loss: output and aux loss) with the data path's kernels
     (router, routing layout, row kernels; the reference GEMMs) against the same layer on the
-    compositions: the same tokens per expert, every output and gradient within fp32 rounding
-    of the router's sums (the logits' gradient reaches the router weight and the input)."""
+    compositions: the same tokens per expert, and every output and gradient within fp32
+    rounding of the router's sums (1e-6 of its largest magnitude) -- except where a last bit
+    of the router's crossed a BF16 rounding downstream (``bf16(w)`` in the combine, the
+    logits' gradient in BF16 for the input gradient, the BF16 products the weight gradients
+    sum): at most 1 % of the elements, and the tensor at 60 dB SQNR or better (a few BF16 ulps
+    in a few elements give 70-100 dB; a wrong formula, well under 40)."""
     from moe_mxfp8 import MXFP8MoE
     from moe_mxfp8 import stages as ST
 
@@ -104,8 +118,12 @@ def check_layer_on_the_kernels(gen, device):
             (counts, *ref), (got_counts, *got) = runs
             assert torch.equal(got_counts, counts), (precision, score_func)
             for a, b in zip(got, ref, strict=True):
-                scale = float(b.float().abs().max())
-                torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=1e-6 * scale)
+                a, b = a.float(), b.float()
+                diff, floor = (a - b).abs(), 1e-6 * float(b.abs().max())
+                off = int((diff > floor).sum())
+                assert off <= max(1, b.numel() // 100), (precision, score_func, off)
+                assert off == 0 or sqnr_db(b, a) >= 60.0, (precision, score_func,
+                                                           sqnr_db(b, a))
     finally:
         ST.use_triton = use_triton
 
