@@ -278,7 +278,11 @@ class Entry:
             if fn is not None:
                 return fn, "loaded"
             fn = build()
-            self.store(fn)
+            if self.store(fn):
+                # launched from here on as the next process will launch it: natively, a few
+                # microseconds of host time where CuTeDSL's own call converts every argument
+                # (about 100 us a launch on a slow host)
+                fn = self._stored_native() or fn
         return fn, "compiled"
 
     def try_load(self, discard: bool):
@@ -313,6 +317,17 @@ class Entry:
                         with contextlib.suppress(OSError):
                             p.unlink()
             return None
+
+    def _stored_native(self):
+        """The native form of the entry just stored, or None (none made, or native launches
+        turned off)."""
+        if not (self.native and native_enabled()):
+            return None
+        try:
+            meta = json.loads(self.meta.read_text())
+        except (OSError, ValueError):
+            return None
+        return self._try_native(meta) if meta.get("shared") else None
 
     def _try_native(self, meta: dict):
         """The native form of the entry, or None: a checksum mismatch or a loader error falls

@@ -48,6 +48,14 @@ MIN_EXPERTS = 16  # the expert axis is at least this wide
 FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
 
 
+@triton.jit
+def _clamp_min_tiny(x):
+    """``max(x, FLT_MIN)`` keeping NaN, as the reference's ``clamp_min(TINY)``: a NaN score sum
+    (a NaN token's) stays NaN. Plain ``tl.maximum`` is the GPU's ``max.f32``, which returns the
+    other operand for a NaN (while Triton's interpreter propagates it)."""
+    return tl.maximum(x, FLT_MIN, propagate_nan=tl.PropagateNan.ALL)
+
+
 def expert_width(num_experts: int) -> int:
     return max(MIN_EXPERTS, triton.next_power_of_2(num_experts))
 
@@ -75,7 +83,7 @@ def _scores(x, emask, SIGMOID: tl.constexpr, INTERP: tl.constexpr):
         s = _div(1.0, 1.0 + _exp(-x, INTERP), INTERP)
         s = tl.where(emask, s, 0.0)
         ssum = tl.sum(s, axis=1)
-        return s, _div(s, tl.maximum(ssum, FLT_MIN)[:, None], INTERP), ssum
+        return s, _div(s, _clamp_min_tiny(ssum)[:, None], INTERP), ssum
     else:
         xm = tl.where(emask, x, -float("inf"))
         ex = tl.where(emask, _exp(xm - tl.max(xm, axis=1)[:, None], INTERP), 0.0)
@@ -122,7 +130,7 @@ def _route_fwd_kernel(logits_ptr, scores_ptr, w_ptr, ids_ptr, bad_ptr, psum_ptr,
         cnt += tl.sum(tl.where(hot & tmask[:, None], 1, 0), axis=0)
         key = tl.where(hot, -float("inf"), key)
     if RENORM:
-        c = tl.maximum(wsum, FLT_MIN)
+        c = _clamp_min_tiny(wsum)
         for j in tl.static_range(K):
             g = tl.load(w_ptr + t * K + j, mask=tmask, other=0.0)
             tl.store(w_ptr + t * K + j, _div(g, c, INTERP), mask=tmask)
@@ -178,7 +186,7 @@ def _route_bwd_kernel(scores_ptr, ids_ptr, bad_ptr, dw_ptr, frac_ptr, daux_ptr, 
             for j in tl.static_range(K):
                 pick = tl.load(ids_ptr + t * K + j, mask=tmask, other=0).to(tl.int32)
                 gsum += tl.sum(tl.where(e[None, :] == pick[:, None], s, 0.0), axis=1)
-        c = tl.maximum(gsum, FLT_MIN)
+        c = _clamp_min_tiny(gsum)
         dc = tl.zeros((TB,), dtype=tl.float32)
         if RENORM:  # d/dc of g_j / c: -dw_j * ((g_j / c) / c), summed over j
             for j in tl.static_range(K):
@@ -199,7 +207,7 @@ def _route_bwd_kernel(scores_ptr, ids_ptr, bad_ptr, dw_ptr, frac_ptr, daux_ptr, 
         dp = _div(dmean, n_tokens, INTERP)[None, :]
         if SIGMOID:  # probs = s / max(sum s, FLT_MIN)
             ssum = tl.sum(s, axis=1)
-            c2 = tl.maximum(ssum, FLT_MIN)[:, None]
+            c2 = _clamp_min_tiny(ssum)[:, None]
             dc2 = tl.sum(tl.where(m2, -dp * _div(_div(s, c2, INTERP), c2, INTERP), 0.0), axis=1)
             dc2 = tl.where(ssum >= FLT_MIN, dc2, 0.0)
             ds += _div(dp, c2, INTERP) + dc2[:, None]

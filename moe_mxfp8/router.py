@@ -190,4 +190,9 @@ def route(logits: Tensor, top_k: int, score_func: str, renormalize: bool, aux_sc
         return route_reference(logits, top_k, score_func, renormalize, aux_scale, bad)
     weights, ids, counts, aux, nonfinite, *_ = torch.ops.moe_mxfp8.route_scores(
         logits.contiguous(), top_k, score_func == "sigmoid", renormalize, aux_scale)
+    if bad is not None:
+        # The count of the rows already checked (``check_finite="raise"``: none, or it raised):
+        # it keeps that check in a compiled graph, where an operator whose output nobody reads
+        # is dead code and would be dropped.
+        nonfinite = bad.sum()
     return Routing(weights, ids, counts, aux), nonfinite

@@ -128,6 +128,32 @@ def check_layer_on_the_kernels(gen, device):
         ST.use_triton = use_triton
 
 
+def check_raise_mode_compiled(gen, device):
+    """``check_finite="raise"`` on the kernels under ``torch.compile`` (``aot_eager``, whose
+    dead-code pass drops an operator nobody reads, as inductor's does): the check's operator,
+    whose rows the kernel path does not need, stays in the graph and raises."""
+    from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
+    from moe_mxfp8 import stages as ST
+
+    use_triton = ST.use_triton
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    layer = MXFP8MoE(64, 96, 4, 2, precision="bf16", backend="reference", device=device,
+                     check_finite="raise")
+    x = torch.randn(2, 16, 64, generator=gen).to(torch.bfloat16).to(device)
+    bad = x.clone()
+    bad[1, 5, 0] = float("nan")
+    torch._dynamo.reset()
+    try:
+        ST.use_triton = lambda _t, _backend: True  # noqa: E731
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        assert torch.isfinite(compiled(x)).all()
+        with pytest.raises(NonFiniteInputError, match="not finite for 1 token"):
+            compiled(bad)
+    finally:
+        ST.use_triton = use_triton
+        torch._dynamo.reset()
+
+
 def test_fake_shapes_are_the_references(gen):
     """What torch.compile traces: the operators' fake outputs have the shapes and dtypes of the
     composition's (and of what backward needs)."""
@@ -161,6 +187,11 @@ def test_layer_on_the_kernels_interpreter(gen):
     run_check_interpreted("tests.test_router:check_layer_on_the_kernels", gen)
 
 
+@interpreter_only
+def test_raise_mode_compiled_interpreter(gen):
+    run_check_interpreted("tests.test_router:check_raise_mode_compiled", gen)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (300, 4), (1500, 8)])
 def test_kernels_compile_for_sm90_without_spills(experts, top_k, tmp_path):
@@ -185,6 +216,35 @@ def test_kernels_compile_for_sm90_without_spills(experts, top_k, tmp_path):
     ]
     # no atomics; IEEE division (Triton's `/` is the approximate div.full)
     check_sm90_builds(kernels, ptrs, 4, tmp_path, f"{experts} experts", ("atom.", "div.full"))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("sigmoid,renormalize", [(False, True), (True, False), (True, True)])
+def test_score_sum_clamps_keep_nan(sigmoid, renormalize):
+    """Every ``max(sum, FLT_MIN)`` of the router keeps a NaN (PTX ``max.NaN.f32``), as the
+    reference's ``clamp_min`` does: the GPU's plain ``max.f32`` returns FLT_MIN for a NaN token's
+    score sum, and its loss probabilities and gradients come out finite where the reference's
+    are NaN. Triton's interpreter propagates NaN either way, so only the build can tell."""
+    from moe_mxfp8.kernels import router_triton as K
+
+    from tests.triton_sm90 import compile_for_sm90
+
+    ptrs = {n: "*fp32" for n in ("logits_ptr", "scores_ptr", "w_ptr", "psum_ptr", "dw_ptr",
+                                 "frac_ptr", "daux_ptr", "dlogits_ptr")}
+    ptrs.update({"ids_ptr": "*i64", "bad_ptr": "*i8", "pint_ptr": "*i32", "n_tokens": "fp32",
+                 "aux_scale": "fp32"})
+    ep = K.expert_width(8)
+    flags = {"SIGMOID": sigmoid, "RENORM": renormalize, "EP": ep, "INTERP": False, "K": 2}
+    fwd = compile_for_sm90(K._route_fwd_kernel, {**flags, "TB": K.tokens_per_program(ep)},
+                           ptrs, 4).asm["ptx"]
+    bwd = compile_for_sm90(K._route_bwd_kernel, {**flags, "HAS_DW": True, "HAS_DAUX": True,
+                                                 "TB": K.tokens_per_program(ep, True)},
+                           ptrs, 4).asm["ptx"]
+    for name, ptx in (("forward", fwd), ("backward", bwd)):
+        assert "max.NaN.f32" in ptx, name
+        # the softmax forward's row maximum may drop a NaN (the row is NaN either way)
+        if sigmoid or name == "backward":
+            assert "max.f32" not in ptx, name
 
 
 @pytest.mark.gpu
