@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The device runner: one call runs the named suites in order, each under its own time limit (a
 # slow suite cannot hide the others' results); logs and JSON land in $OUT (default /tmp/out).
-#   run  carry=[".devsite"]  command: bash tools/gpu.sh gemm layer quant rest
+#   run  carry=[".devsite"]  command: bash tools/gpu.sh gemm layer   (a call holds ~600 s)
 #   run  kind="nvidia-h100-x4"  carry=[".devsite"]  command: bash tools/gpu.sh ep
 # Suites (benchmarks print the GPU, and measure their baselines in the same process):
-#   gemm layer quant rest  the GPU tests (pytest -m gpu), feature by feature; `tests` = all four
+#   gemm layer datapath quant rest  the GPU tests (pytest -m gpu), feature by feature (each
+#                     suite fits one call: layer and datapath about 250 s each, quant about 360 s
+#                     on an H100, 2026-11-27); `tests` = all five
 #   bench-quant       quantizer kernels vs copy and torch.compile, then both recipes side by side
 #   bench-gemm        grouped GEMMs vs bf16 torch._grouped_mm and fp8 rowwise, per shape
 #   bench-layer       MXFP8MoE vs its BF16 twin, both recipes, time and peak memory
@@ -34,12 +36,13 @@ FILTER="Warn\|range_constexpr"  # CuTeDSL's compile-time notes
 
 declare -A TESTS=(
   [gemm]="tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py tests/kernels/test_selfcheck.py"
-  [layer]="tests/test_moe.py tests/test_autograd.py tests/test_datapath.py tests/test_routing_kernels.py tests/test_router.py tests/test_grouped_experts.py tests/test_swiglu_kernels.py tests/test_host_path.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py tests/test_auto_scale_blocks.py"
+  [layer]="tests/test_routing_kernels.py tests/test_router.py tests/test_moe.py tests/test_autograd.py tests/test_auto_scale_blocks.py"
+  [datapath]="tests/test_datapath.py tests/test_grouped_experts.py tests/test_swiglu_kernels.py tests/test_host_path.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py"
   [quant]="tests/kernels/test_quantize_kernels.py tests/test_domain.py"
   [rest]="tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py tests/test_hf.py"
   [several-gpus]="tests/test_device_placement.py tests/test_fsdp.py tests/test_expert_parallel.py"
 )
-declare -A LIMITS=([gemm]=240 [layer]=240 [quant]=150 [rest]=120 [bench-quant]=300
+declare -A LIMITS=([gemm]=240 [layer]=300 [datapath]=300 [quant]=400 [rest]=120 [bench-quant]=300
   [bench-gemm]=360 [bench-layer]=220 [bench-rowkernels]=270 [first-step]=85 [ep]=540
   [parity]=420 [determinism]=200 [several-gpus]=400 [tune-gemm]=400 [ncu-gemm]=240 [ncu-rowkernels]=240)
 
@@ -154,11 +157,11 @@ ncu_rowkernels() {
 for suite in "$@"; do
   echo "== $suite ($(date -u +%T))"
   case $suite in
-    gemm|layer|quant|rest|several-gpus) run_tests "$suite" ;;
+    gemm|layer|datapath|quant|rest|several-gpus) run_tests "$suite" ;;
     bench-peers) bash tools/gpu_bench_gemm_peers.sh ;;
     host-time) bash tools/gpu_host_time.sh ;;
     parity-seeds) bash tools/gpu_parity_seeds.sh ;;
-    tests) for s in gemm layer quant rest; do echo "== $s"; run_tests "$s"; done ;;
+    tests) for s in gemm layer datapath quant rest; do echo "== $s"; run_tests "$s"; done ;;
     bench-quant)
       timeout $(( $(limit bench-quant) / 2 )) python -m benchmarks.bench_quantize \
         --json "$OUT/quant.json" 2>&1 | grep -v "$FILTER" | tee "$OUT/quant.txt"
