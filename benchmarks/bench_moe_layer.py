@@ -11,13 +11,15 @@ Prints a table (ms, TFLOP/s counting the expert-GEMM FLOPs, speedup over BF16, p
 saved for backward per token) and, for both precisions, a breakdown of the forward+backward step
 by phase from the torch profiler's CUDA kernels, with the time outside the expert GEMMs.
 
-``--host-time``: the host time of one forward+backward per layer, launched while the GPU is kept
-busy ahead of it (`host_time`), so the number is the CPU's alone; ``--host-profile N`` adds the
-top N functions of a cProfile of those launches. ``--cache-weights 0,1`` measures the MXFP8
-layers without and with ``cache_weights=True``; ``--accumulate N`` makes a step N micro-batches
-(gradient accumulation) after an optimizer-step boundary (the weight cache is dropped at its
-start, as an optimizer step drops it). ``--quantizer-stages none``: the data path's quantized
-stages on the Triton kernels instead of the quantizer tile (an A/B of `stages.QUANTIZER_STAGES`).
+``--determinism``: whether two forward+backward steps of each layer on the same input are bit
+for bit equal (output, input and parameter gradients). ``--host-time``: the host time of one
+forward+backward per layer, launched while the GPU is kept busy ahead of it (`host_time`), so
+the number is the CPU's alone; ``--host-profile N`` adds the top N functions of a cProfile of
+those launches. ``--cache-weights 0,1`` measures the MXFP8 layers without and with
+``cache_weights=True``; ``--accumulate N`` makes a step N micro-batches (gradient accumulation)
+after an optimizer-step boundary (the weight cache is dropped at its start, as an optimizer step
+drops it). ``--quantizer-stages none``: the data path's quantized stages on the Triton kernels
+instead of the quantizer tile (an A/B of `stages.QUANTIZER_STAGES`).
 """
 
 from __future__ import annotations
@@ -161,6 +163,22 @@ class _OpCounter:
                 return func(*args, **(kwargs or {}))
 
         self.counts, self.mode = counts, Mode()
+
+
+def bitwise_twice(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> bool:
+    """Whether two forward + backward passes of ``model`` on the same ``x`` and output gradient
+    ``dy`` give bit-identical outputs, input gradients and parameter gradients (the weight cache
+    dropped before each, as after an optimizer step)."""
+    runs = []
+    for _ in range(2):
+        model.invalidate_weight_cache()
+        model.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_()
+        y = model(xi)
+        y.backward(dy)
+        runs.append([y.detach(), xi.grad, *(p.grad for p in model.parameters())])
+    return all(a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+               for a, b in zip(*runs, strict=True))
 
 
 def host_time(step, reps: int = 7, profile_top: int = 0, count_ops: bool = False) -> dict:
@@ -393,6 +411,8 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
             res[name] = (us, torch.cuda.max_memory_allocated() / 2**30)
             if backward and args.breakdown:
                 res[name + "_breakdown"] = phase_breakdown(step)
+            if backward and args.determinism:
+                res[name + "_deterministic"] = bitwise_twice(m, xs.next(), dy)
             if backward and args.host_time:
                 res[name + "_host"] = host_time(step, profile_top=args.host_profile,
                                                 count_ops=args.host_ops)
@@ -427,6 +447,8 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
             for key, src in (("bf16", "bf16"), ("mxfp8", name)):
                 if src + "_host" in res:
                     row[key + "_host"] = res[src + "_host"]
+                if src + "_deterministic" in res:
+                    row[key + "_deterministic"] = res[src + "_deterministic"]
             if mem and backward:
                 row["memory"] = {"bf16": mem["bf16"], "mxfp8": mem[name]}
             for key, src in (("bf16", "bf16"), ("mxfp8", name)):
@@ -494,6 +516,8 @@ def main() -> None:
                     help="host time per fwd+bwd step, launched while the GPU is busy")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --host-time: the top N functions of a cProfile of the launches")
+    ap.add_argument("--determinism", action="store_true",
+                    help="with fwd+bwd: whether two steps on the same input are bitwise equal")
     ap.add_argument("--host-ops", action="store_true",
                     help="with --host-time: count the torch ops one step dispatches")
     ap.add_argument("--compile", default=None,
@@ -523,6 +547,9 @@ def main() -> None:
             print(f"{'':28}host ms per step (wall / CPU): bf16 {r['bf16_host']['wall_ms']:.2f} / "
                   f"{r['bf16_host']['cpu_ms']:.2f}, mxfp8 {r['mxfp8_host']['wall_ms']:.2f} / "
                   f"{r['mxfp8_host']['cpu_ms']:.2f}")
+        if "mxfp8_deterministic" in r:
+            print(f"{'':28}bitwise equal twice: bf16 {r['bf16_deterministic']}, mxfp8 "
+                  f"{r['mxfp8_deterministic']}")
         if r["cache_weights"]:
             print(f"{'':28}weight cache {r['mxfp8_weight_cache_gib']:.3f} GiB")
         print(f"{'':28}peak GiB bf16 {r['bf16_peak_gib']:.2f} mxfp8 {r['mxfp8_peak_gib']:.2f}; "

@@ -86,7 +86,9 @@ def nonfinite_error(who: str, count: int, of: str) -> NonFiniteInputError:
 def _nonfinite_rows_or_raise(logits: Tensor, who: str) -> Tensor:
     """``(T,)`` bool: rows of ``logits`` holding NaN/Inf; raises `NonFiniteInputError` if any
     (reads the count on the host). An operator, so that ``torch.compile`` (also with
-    ``fullgraph=True``) calls it at run time and the same exception reaches the caller."""
+    ``fullgraph=True``) calls it at run time and the same exception reaches the caller. Its
+    output must feed the step (`router.route` counts it): a compiled graph drops an operator
+    whose output nobody reads."""
     bad = nonfinite_rows(logits)
     count = int(bad.sum())
     if count:

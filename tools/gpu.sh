@@ -9,7 +9,7 @@
 #                     on an H100, 2026-11-27); `tests` = all five
 #   bench-quant       quantizer kernels vs copy and torch.compile, then both recipes side by side
 #   bench-gemm        grouped GEMMs vs bf16 torch._grouped_mm and fp8 rowwise, per shape
-#   bench-layer       MXFP8MoE vs its BF16 twin, both recipes, time and peak memory
+#   bench-layer       MXFP8MoE vs its BF16 twin, both recipes: time, peak memory, determinism
 #   bench-rowkernels  the 1x128 data-path row kernels at other tilings, with their ceilings
 #   first-step        a second process's first forward+backward against the BF16 twin's
 #   ep                expert parallelism over NCCL: tests at EP = 1, 2, 4 as the GPUs allow, then
@@ -170,7 +170,8 @@ for suite in "$@"; do
     bench-gemm) bench_gemm ;;
     bench-layer)
       timeout "$(limit bench-layer)" python -m benchmarks.bench_moe_layer --shapes "$SHAPES" \
-        --skews 0 --passes fwd+bwd --scale-blocks 1x32,1x128 --memory --json "$OUT/layer.json" \
+        --skews 0 --passes fwd+bwd --scale-blocks 1x32,1x128 --memory --determinism \
+        --json "$OUT/layer.json" \
         2>&1 | grep -v "$FILTER" | tee "$OUT/layer.txt" ;;
     bench-rowkernels)
       timeout "$(limit bench-rowkernels)" python -m benchmarks.bench_rowkernels --parts \
