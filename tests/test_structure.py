@@ -1,4 +1,5 @@
-"""The package's layering, read from its own imports (tools/import_graph.py; CPU, nothing run).
+"""The package's layering, read from its own imports (tools/import_graph.py; CPU, nothing run),
+and the device runner's reach: every file of GPU tests belongs to one of its suites.
 
 ``moe_mxfp8/`` is the API; ``kernels/`` (``moe_mxfp8.kernels``) lives below it. A kernel module
 never imports the API (it takes plain tensors and the format facts of ``kernels/mx_format.py``),
@@ -38,3 +39,18 @@ def test_check_reports_an_upward_import_and_a_cycle(monkeypatch):
     problems = import_graph.check()
     assert any("kernels.x imports moe_mxfp8.layout" in p for p in problems)
     assert any(p.startswith("import cycle") for p in problems)
+
+
+def test_every_gpu_test_file_is_in_a_device_suite():
+    """`tools/gpu.sh`'s suites name every test file holding GPU-marked tests: a file
+    left out would never run on the device machine, and its tests would pass CI by skipping."""
+    import re
+
+    runner = (ROOT / "tools" / "gpu.sh").read_text()
+    suites = " ".join(re.findall(r'^\s*\[[\w-]+\]="([^"]*)"', runner, flags=re.M))
+    named = set(suites.split())
+    mark = "pytest.mark." + "gpu"  # spelled in two parts: this file holds no GPU test
+    gpu_files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                 if mark in p.read_text()}
+    assert gpu_files, "no GPU test files found"
+    assert sorted(gpu_files - named) == []

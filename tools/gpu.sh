@@ -35,14 +35,14 @@ SHAPES=${SHAPES:-dsv3,mixtral,qwen3}
 FILTER="Warn\|range_constexpr"  # CuTeDSL's compile-time notes
 
 declare -A TESTS=(
-  [gemm]="tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py tests/kernels/test_selfcheck.py"
+  [gemm]="tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_sm90.py tests/test_1x128_recipe.py tests/kernels/test_grouped_gemm_sm100.py tests/kernels/test_selfcheck.py tests/test_bench_grouped_gemm.py"
   [layer]="tests/test_routing_kernels.py tests/test_router.py tests/test_moe.py tests/test_autograd.py tests/test_auto_scale_blocks.py"
-  [datapath]="tests/test_datapath.py tests/test_grouped_experts.py tests/test_swiglu_kernels.py tests/test_host_path.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py"
+  [datapath]="tests/test_quantizer_stages.py tests/test_datapath.py tests/test_grouped_experts.py tests/test_swiglu_kernels.py tests/test_host_path.py tests/kernels/test_align_k_groups.py tests/test_weight_cache.py"
   [quant]="tests/kernels/test_quantize_kernels.py tests/test_domain.py"
-  [rest]="tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py tests/test_hf.py"
+  [rest]="tests/test_fsdp_mxfp8.py tests/test_compile_cache.py tests/test_expert_parallel.py tests/test_module_object.py tests/test_checkpoint.py tests/test_errors_and_backend.py tests/test_hf.py"
   [several-gpus]="tests/test_device_placement.py tests/test_fsdp.py tests/test_expert_parallel.py"
 )
-declare -A LIMITS=([gemm]=240 [layer]=300 [datapath]=300 [quant]=400 [rest]=120 [bench-quant]=300
+declare -A LIMITS=([gemm]=240 [layer]=300 [datapath]=300 [quant]=400 [rest]=180 [bench-quant]=300
   [bench-gemm]=360 [bench-layer]=220 [bench-rowkernels]=270 [first-step]=85 [ep]=540
   [parity]=420 [determinism]=200 [several-gpus]=400 [tune-gemm]=400 [ncu-gemm]=240 [ncu-rowkernels]=240)
 
