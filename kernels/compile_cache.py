@@ -278,11 +278,12 @@ class Entry:
             if fn is not None:
                 return fn, "loaded"
             fn = build()
-            if self.store(fn):
+            meta = self.store(fn)
+            if meta is not None and meta.get("shared") and native_enabled():
                 # launched from here on as the next process will launch it: natively, a few
                 # microseconds of host time where CuTeDSL's own call converts every argument
                 # (about 100 us a launch on a slow host)
-                fn = self._stored_native() or fn
+                fn = self._try_native(meta) or fn
         return fn, "compiled"
 
     def try_load(self, discard: bool):
@@ -318,17 +319,6 @@ class Entry:
                             p.unlink()
             return None
 
-    def _stored_native(self):
-        """The native form of the entry just stored, or None (none made, or native launches
-        turned off)."""
-        if not (self.native and native_enabled()):
-            return None
-        try:
-            meta = json.loads(self.meta.read_text())
-        except (OSError, ValueError):
-            return None
-        return self._try_native(meta) if meta.get("shared") else None
-
     def _try_native(self, meta: dict):
         """The native form of the entry, or None: a checksum mismatch or a loader error falls
         back to CuTeDSL's loader of the object file (warned once), never to a wrong kernel."""
@@ -341,13 +331,14 @@ class Entry:
             _warn_once(f"native load failed ({type(e).__name__}: {e}); using CuTeDSL's loader")
             return None
 
-    def store(self, fn) -> bool:
-        """Write ``fn``'s object file, then the metadata that commits it. Failures only warn."""
+    def store(self, fn) -> dict | None:
+        """Write ``fn``'s object file, then the metadata that commits it; returns that metadata
+        (None: not stored). Failures only warn."""
         try:
             data = self._dump(fn, self.prefix)
         except Exception as e:  # noqa: BLE001  (an unexportable function stays in memory only)
             _warn_once(f"cannot export a compiled kernel ({type(e).__name__}: {e})")
-            return False
+            return None
         sha = hashlib.sha256(data).hexdigest()
         obj = self.dir / f"{self.stem}-{sha[:16]}.o"
         meta = {"key": self.text, "object": obj.name, "sha256": sha, "bytes": len(data)}
@@ -358,8 +349,8 @@ class Entry:
             _write_atomic(self.meta, json.dumps(meta, indent=1).encode())
         except OSError as e:
             _warn_once(f"cannot write to {self.dir} ({e})")
-            return False
-        return True
+            return None
+        return meta
 
     def _store_shared(self, fn, data: bytes, sha: str) -> dict:
         """The shared-library form of the object (``{}`` when it cannot be made)."""
