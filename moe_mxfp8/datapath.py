@@ -68,6 +68,12 @@ def _u8(t: MXFP8Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
     return t.data.view(torch.uint8), t.scale
 
 
+def _row_recipe(mx: bool, scale_blocks: str) -> str:
+    """The recipe the row kernels and their tables run in: ``scale_blocks`` for the MXFP8
+    layer, ``"1x32"`` for the BF16 twin (nothing quantized, 32-row programs)."""
+    return scale_blocks if mx else "1x32"
+
+
 def _step_tables(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend: str
                  ) -> tuple[Tensor | None, Tensor | None]:
     """The row kernels' `block_table` and the quantizer's tile ends (`routing.row_tables`),
@@ -82,7 +88,7 @@ def layout(expert_ids: Tensor, counts: Tensor, align: int, precision: str, scale
     """The step's routing layout ``rows, src, offs`` (`routing.route_layout` with ``align``)
     and, where the data path's kernels run, the row tables they read (`routed_experts`'
     ``tables``), from one set of launches (`routing.step_layout`)."""
-    sb = scale_blocks if precision == "mxfp8" else "1x32"
+    sb = _row_recipe(precision == "mxfp8", scale_blocks)
     return step_layout(expert_ids, counts, align, ACT_BLOCK[sb],
                        ST.use_triton(expert_ids, backend))
 
@@ -121,7 +127,7 @@ def _routed_experts_fwd(
     (BF16 as int16). The optional inputs: see above (the N-axis weights are for backward)."""
     mx, qcol, keep = _modes(precision, wgrad, save)
     top_k = rows.shape[1]
-    sb = scale_blocks if mx else "1x32"  # BF16 twin: nothing quantized, 32-row programs
+    sb = _row_recipe(mx, scale_blocks)
     if table is None:  # called on its own: this pass builds the step's tables
         table, tile_ends = _step_tables(x, offs, src.numel(), sb, backend)
     if mx:
@@ -213,7 +219,7 @@ def _routed_experts_bwd(
     dout = dout.to(BF16).contiguous()
     dx = dwgu = dwdn = None  # as computed; `_results` returns the unneeded ones empty
     chain = need_dx or need_dw
-    sb = scale_blocks if mx else "1x32"
+    sb = _row_recipe(mx, scale_blocks)
     if table is None:  # called on its own: this pass builds the step's tables
         table, tile_ends = _step_tables(dout, offs, src.numel(), sb, backend)
     dyr, dyc, dyb, dwts = ST.combine_backward(
@@ -411,7 +417,7 @@ def routed_experts(
         t.requires_grad for t in (x, w_gate_up, w_down, weights))
     # the step's tables, once for forward and backward (None: the references run)
     table, tile_ends = tables if tables is not None else _step_tables(
-        x, offs, src.numel(), scale_blocks if precision == "mxfp8" else "1x32", backend)
+        x, offs, src.numel(), _row_recipe(precision == "mxfp8", scale_blocks), backend)
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
         scale_blocks, save, table, tile_ends, *wq)[0]
