@@ -8,6 +8,7 @@ spills (where Triton is installed). GPU (``-m gpu``): the compiled kernels on th
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 
@@ -30,6 +31,27 @@ SHAPES = [(37, 2, 8), (50, 8, 128), (1, 1, 4), (0, 2, 6), (5, 1, 1), (33, 5, 5),
 # gradient cancels in s * (g - sum(g * s)): an absolute floor at its O(1) scale)
 FWD_RTOL = 2e-6
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
+# the router kernels' non-int32 runtime arguments, for their sm_90 builds
+KERNEL_ARG_TYPES = {
+    **{n: "*fp32" for n in ("logits_ptr", "scores_ptr", "w_ptr", "psum_ptr", "frac_ptr",
+                            "aux_ptr", "dw_ptr", "daux_ptr", "dlogits_ptr")},
+    "ids_ptr": "*i64", "counts_ptr": "*i64", "nonfinite_ptr": "*i64", "bad_ptr": "*i8",
+    "pint_ptr": "*i32", "n_tokens": "fp32", "n_pairs": "fp32", "aux_scale": "fp32",
+}
+
+
+@contextlib.contextmanager
+def _kernels_chosen(on: bool):
+    """`stages.use_triton` answering ``on`` for every tensor and backend (the layer's router,
+    layout and row kernels on, in the interpreter, or off)."""
+    from moe_mxfp8 import stages as ST
+
+    saved = ST.use_triton
+    ST.use_triton = lambda _t, _backend: on  # noqa: E731
+    try:
+        yield
+    finally:
+        ST.use_triton = saved
 
 
 def _spaced_logits(gen, t, e):
@@ -95,37 +117,31 @@ def check_layer_on_the_kernels(gen, device):
     sum): at most 1 % of the elements, and the tensor at 60 dB SQNR or better (a few BF16 ulps
     in a few elements give 70-100 dB; a wrong formula, well under 40)."""
     from moe_mxfp8 import MXFP8MoE
-    from moe_mxfp8 import stages as ST
 
-    use_triton = ST.use_triton
     bf16 = torch.bfloat16
-    try:
-        for precision, score_func in (("bf16", "softmax"), ("mxfp8", "sigmoid")):
-            torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-            m = MXFP8MoE(64, 96, 6, 2, precision=precision, score_func=score_func,
-                         backend="reference", device=device)
-            x = torch.randn(50, 64, generator=gen).to(bf16).to(device)
-            dy = torch.randn(50, 64, generator=gen).to(bf16).to(device)
-            runs = []
-            for on in (False, True):
-                ST.use_triton = lambda _t, _backend, on=on: on  # noqa: E731
+    for precision, score_func in (("bf16", "softmax"), ("mxfp8", "sigmoid")):
+        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+        m = MXFP8MoE(64, 96, 6, 2, precision=precision, score_func=score_func,
+                     backend="reference", device=device)
+        x = torch.randn(50, 64, generator=gen).to(bf16).to(device)
+        dy = torch.randn(50, 64, generator=gen).to(bf16).to(device)
+        runs = []
+        for on in (False, True):
+            with _kernels_chosen(on):
                 m.zero_grad(set_to_none=True)
                 xi = x.clone().requires_grad_()
                 y = m(xi)
                 ((y.float() * dy.float()).sum() + m.aux_loss).backward()
-                runs.append((m.tokens_per_expert.clone(), y.detach(), xi.grad, m.aux_loss.detach(),
-                             *(p.grad for p in m.parameters())))
-            (counts, *ref), (got_counts, *got) = runs
-            assert torch.equal(got_counts, counts), (precision, score_func)
-            for a, b in zip(got, ref, strict=True):
-                a, b = a.float(), b.float()
-                diff, floor = (a - b).abs(), 1e-6 * float(b.abs().max())
-                off = int((diff > floor).sum())
-                assert off <= max(1, b.numel() // 100), (precision, score_func, off)
-                assert off == 0 or sqnr_db(b, a) >= 60.0, (precision, score_func,
-                                                           sqnr_db(b, a))
-    finally:
-        ST.use_triton = use_triton
+            runs.append((m.tokens_per_expert.clone(), y.detach(), xi.grad, m.aux_loss.detach(),
+                         *(p.grad for p in m.parameters())))
+        (counts, *ref), (got_counts, *got) = runs
+        assert torch.equal(got_counts, counts), (precision, score_func)
+        for a, b in zip(got, ref, strict=True):
+            a, b = a.float(), b.float()
+            diff, floor = (a - b).abs(), 1e-6 * float(b.abs().max())
+            off = int((diff > floor).sum())
+            assert off <= max(1, b.numel() // 100), (precision, score_func, off)
+            assert off == 0 or sqnr_db(b, a) >= 60.0, (precision, score_func, sqnr_db(b, a))
 
 
 def check_raise_mode_compiled(gen, device):
@@ -133,9 +149,7 @@ def check_raise_mode_compiled(gen, device):
     dead-code pass drops an operator nobody reads, as inductor's does): the check's operator,
     whose rows the kernel path does not need, stays in the graph and raises."""
     from moe_mxfp8 import MXFP8MoE, NonFiniteInputError
-    from moe_mxfp8 import stages as ST
 
-    use_triton = ST.use_triton
     torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
     layer = MXFP8MoE(64, 96, 4, 2, precision="bf16", backend="reference", device=device,
                      check_finite="raise")
@@ -144,13 +158,12 @@ def check_raise_mode_compiled(gen, device):
     bad[1, 5, 0] = float("nan")
     torch._dynamo.reset()
     try:
-        ST.use_triton = lambda _t, _backend: True  # noqa: E731
-        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-        assert torch.isfinite(compiled(x)).all()
-        with pytest.raises(NonFiniteInputError, match="not finite for 1 token"):
-            compiled(bad)
+        with _kernels_chosen(True):
+            compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+            assert torch.isfinite(compiled(x)).all()
+            with pytest.raises(NonFiniteInputError, match="not finite for 1 token"):
+                compiled(bad)
     finally:
-        ST.use_triton = use_triton
         torch._dynamo.reset()
 
 
@@ -201,11 +214,6 @@ def test_kernels_compile_for_sm90_without_spills(experts, top_k, tmp_path):
 
     from tests.triton_sm90 import check_sm90_builds
 
-    ptrs = {n: "*fp32" for n in ("logits_ptr", "scores_ptr", "w_ptr", "psum_ptr", "frac_ptr",
-                                 "aux_ptr", "dw_ptr", "daux_ptr", "dlogits_ptr")}
-    ptrs.update({"ids_ptr": "*i64", "counts_ptr": "*i64", "nonfinite_ptr": "*i64",
-                 "bad_ptr": "*i8", "pint_ptr": "*i32", "n_tokens": "fp32", "n_pairs": "fp32",
-                 "aux_scale": "fp32"})
     ep = K.expert_width(experts)
     flags = {"SIGMOID": False, "RENORM": True, "EP": ep, "INTERP": False}
     kernels = [
@@ -215,7 +223,8 @@ def test_kernels_compile_for_sm90_without_spills(experts, top_k, tmp_path):
                                "TB": K.tokens_per_program(ep, backward=True)}),
     ]
     # no atomics; IEEE division (Triton's `/` is the approximate div.full)
-    check_sm90_builds(kernels, ptrs, 4, tmp_path, f"{experts} experts", ("atom.", "div.full"))
+    check_sm90_builds(kernels, KERNEL_ARG_TYPES, 4, tmp_path, f"{experts} experts",
+                      ("atom.", "div.full"))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -229,17 +238,13 @@ def test_score_sum_clamps_keep_nan(sigmoid, renormalize):
 
     from tests.triton_sm90 import compile_for_sm90
 
-    ptrs = {n: "*fp32" for n in ("logits_ptr", "scores_ptr", "w_ptr", "psum_ptr", "dw_ptr",
-                                 "frac_ptr", "daux_ptr", "dlogits_ptr")}
-    ptrs.update({"ids_ptr": "*i64", "bad_ptr": "*i8", "pint_ptr": "*i32", "n_tokens": "fp32",
-                 "aux_scale": "fp32"})
     ep = K.expert_width(8)
     flags = {"SIGMOID": sigmoid, "RENORM": renormalize, "EP": ep, "INTERP": False, "K": 2}
     fwd = compile_for_sm90(K._route_fwd_kernel, {**flags, "TB": K.tokens_per_program(ep)},
-                           ptrs, 4).asm["ptx"]
+                           KERNEL_ARG_TYPES, 4).asm["ptx"]
     bwd = compile_for_sm90(K._route_bwd_kernel, {**flags, "HAS_DW": True, "HAS_DAUX": True,
                                                  "TB": K.tokens_per_program(ep, True)},
-                           ptrs, 4).asm["ptx"]
+                           KERNEL_ARG_TYPES, 4).asm["ptx"]
     for name, ptx in (("forward", fwd), ("backward", bwd)):
         assert "max.NaN.f32" in ptx, name
         # the softmax forward's row maximum may drop a NaN (the row is NaN either way)
