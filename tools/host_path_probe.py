@@ -129,7 +129,7 @@ def gpu_host_path():
     from moe_mxfp8 import routing as RT
     from moe_mxfp8 import stages as ST
 
-    dpt = _datapath_triton()
+    dpt = _triton_module("moe_mxfp8.kernels.datapath_triton")
     rtt = _triton_module("moe_mxfp8.kernels.routing_triton")
     for name in ("_hist_kernel", "_scan_kernel", "_place_kernel"):
         setattr(rtt, name, _ZeroFillLauncher(getattr(rtt, name).fn))
@@ -168,11 +168,6 @@ def gpu_host_path():
     finally:
         for obj, name, value in old:
             setattr(obj, name, value)
-
-
-def _datapath_triton() -> types.ModuleType:
-    """A private copy of `kernels.datapath_triton` imported against the stand-in ``triton``."""
-    return _triton_module("moe_mxfp8.kernels.datapath_triton")
 
 
 def _triton_module(name: str) -> types.ModuleType:
