@@ -127,6 +127,18 @@ MODES = {
     # the same pipeline, tiles and wgmmas without any promotion (results wrong on purpose): the
     # feed + tensor-core limit of the 128x128-tile design, in the same run
     "skel": ("1x32", {"diag": "no_promote"}),
+    # the epilogue through shared memory and TMA stores, or storing directly from registers;
+    # "1x128s3": the defaults at the TMA-store epilogue's 3 stages of 256-column tiles
+    "1x128tma": ("1x128", {"tma_store": True}),
+    "1x128direct": ("1x128", {"tma_store": False}),
+    "1x128s3": ("1x128", {"stages": 3, "tma_store": False}),
+    "1x32tma": ("1x32", {"tma_store": True}),
+    "1x128w": ("1x128", {"tile_n": 256}),  # 256-column tiles whatever the reduction's length
+    "1x128wc1": ("1x128", {"tile_n": 256, "cluster_n": 1}),
+    "1x128nc1": ("1x128", {"tile_n": 128, "cluster_n": 1}),
+    "1x128noc2": ("1x128", {"tile_n": 128, "overlap_promotion": True, "cluster_n": 2}),
+    # the defaults without the output's stores (wrong on purpose): what writing the output costs
+    "1x128nostore": ("1x128", {"diag": "no_store", "tma_store": False}),
 }
 DEFAULT_MODES = "1x32,32x32,1x128,1x128o"
 REPS = {"reps": 30, "rounds": 5}  # bench_us arguments (--reps, --rounds)

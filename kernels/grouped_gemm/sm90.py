@@ -30,8 +30,11 @@ overlap this tile's epilogue):
   ``wgmma.m64n128k32`` into a temporary accumulator, then "promotion"
   ``acc += tmp * (sa[row] * sb[col])`` on the CUDA cores. Two temporaries alternate so that the
   next step's wgmma is in flight while the previous one is promoted.
-* epilogue: predicated direct stores of adjacent column pairs (one 32-bit store per two bf16
-  values; rows masked by the group end, columns by N).
+* epilogue (1x128 recipe, 16-bit output, ``tma_store``): each consumer warpgroup writes its
+  64 rows into 64 x 64 swizzled boxes in shared memory and one of its warps TMA-stores them;
+  the stores drain during the next tile's k-loop (`epilogue_tma`). Otherwise, and for the
+  M-grouped rows that cross a group's end: predicated direct stores of adjacent column pairs
+  (one 32-bit store per two bf16 values; rows masked by the group end, columns by N).
 
 Group structure comes from ``offs`` on the device (no host sync, `schedule.py`). K-grouped, a
 group's last k-tile reads the next group's tokens, which are zeroed in smem (both operands, so
@@ -76,6 +79,7 @@ from .base import GroupedGemmBase
 from .schedule import TILE_K
 from .sm90_config import (  # noqa: F401  (the configuration's names, re-exported)
     DIAG_MODES,
+    NO_STORE_SENTINEL,
     RASTER_BAND,
     TILE_M,
     TILE_N,
@@ -107,6 +111,8 @@ MAX_STAGES = 8
 CONSUMER_BARRIER_ID = 1
 TMA_INNER_ALIGN = K_GROUP_ALIGN  # TMA's innermost (token) coordinate must be 16-byte aligned
 COPY_ROWS = 8  # rows per batch of independent loads in the slow copy path
+EPI_BOX = 64  # TMA-store epilogue: 64 x 64 boxes (64 16-bit columns = one 128-byte swizzle row)
+EPI_BARRIER_ID = 2  # + consumer warpgroup index: the warpgroup's own epilogue barrier
 
 
 class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
@@ -141,8 +147,14 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         self.sfb_stride = 4 if self.products or self.weights_128x128 else SFB_STRIDE
         sf_stage_bytes = self.sblocks * (self.sfa_stride + self.sfb_stride) * 4
         self.stage_bytes = ab_stage_bytes + sf_stage_bytes
+        self.tma_store = (config.tma_store if config.tma_store is not None
+                          else self.blocks_1x128 and config.out_dtype.itemsize == 2)
+        # the TMA-store epilogue's buffer: the whole tile, so a tile's stores drain during the
+        # next tile's k-loop and the buffer is free again by its epilogue
+        self.epi_bytes = TILE_M * self.tile_n * 2 if self.tma_store else 0
         cap = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        self.stages = config.stages or min(MAX_STAGES, (cap - SMEM_RESERVE) // self.stage_bytes)
+        self.stages = config.stages or min(
+            MAX_STAGES, (cap - SMEM_RESERVE - self.epi_bytes) // self.stage_bytes)
         self.tx_bytes = ab_stage_bytes
 
     # ------------------------------------------------------------------ host-side (traced)
@@ -158,6 +170,17 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         # B: a stage of a 256-column tile is two 128-row sub-stages (2 s + h for column half
         # h), each the operand of one wgmma of N = 128 and the target of one TMA box
         return one(TILE_M, self.stages), one(TILE_N, self.stages * self.halves)
+
+    def _epi_layout(self):
+        """The TMA-store epilogue's buffer: 64 x 64 boxes of the output dtype, 128-byte
+        swizzle, ``tile_n / 32`` of them (each consumer warpgroup's 64 rows, box by box)."""
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.out_dtype,
+                                            EPI_BOX),
+            self.out_dtype,
+        )
+        boxes = NUM_CONSUMER_WG * self.tile_n // EPI_BOX
+        return cute.tile_to_shape(atom, (EPI_BOX, EPI_BOX, boxes), order=(0, 1, 2))
 
     def _make_tiled_mma(self):
         """Two consumer warpgroups, each m64 n128 k32 fp8 wgmma with K-major operands."""
@@ -213,6 +236,20 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, mB, cute.slice_(b_layout, (None, None, 0)), (TILE_N, TILE_K))
         grid = (num_clusters * cl, 1, 1)
+        e_layout = self._epi_layout()
+        # `epilogue_tma` writes 4-byte words through this swizzle (it acts on byte offsets)
+        self.epi_swizzle = (e_layout.inner.num_bits, e_layout.inner.num_base,
+                            e_layout.inner.num_shift)
+        assert self.epi_swizzle[1] >= 2, "the swizzle must keep 4-byte words whole"
+        tma_c, tC = tma_b, tB  # placeholders when the epilogue stores directly
+        if cutlass.const_expr(self.tma_store):
+            # the output as (rows, columns[, group]) elements: M-grouped (M, N), K-grouped
+            # (N, K, E); boxes past its end are clipped by the TMA unit
+            mC = mC3[None, None, 0] if self.is_m else mC3
+            tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
+                cute.slice_(e_layout, (None, None, 0)), (EPI_BOX, EPI_BOX))
+        epi_elems = cute.cosize(e_layout) if self.tma_store else 8
 
         stages = self.stages
         sfa_words = stages * self.sblocks * self.sfa_stride
@@ -228,20 +265,23 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
                 cute.struct.MemRange[Float32, sfa_words], 16]
             sSFB: cute.struct.Align[
                 cute.struct.MemRange[Float32, sfb_words], 16]
+            sE: cute.struct.Align[cute.struct.MemRange[self.out_dtype, epi_elems],
+                                  1024 if self.tma_store else 16]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, tA, tma_b, tB, mA, mB, mOut, sfA, sfB, offs, m, self.tiled_mma,
-                    a_layout, b_layout).launch(grid=grid, block=[NUM_THREADS, 1, 1],
-                                               min_blocks_per_mp=1, stream=stream,
-                                               **({"cluster": (cl, 1, 1)} if cl > 1 else {}))
+        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, mA, mB, mOut, sfA, sfB, offs, m,
+                    self.tiled_mma, a_layout, b_layout, e_layout).launch(
+            grid=grid, block=[NUM_THREADS, 1, 1], min_blocks_per_mp=1, stream=stream,
+            **({"cluster": (cl, 1, 1)} if cl > 1 else {}))
 
     # ------------------------------------------------------------------ device
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom,
-               tB: cute.Tensor, mA: cute.Tensor, mB: cute.Tensor, mOut: cute.Tensor,
-               sfA: cute.Tensor, sfB: cute.Tensor, offs: cute.Tensor, num_tokens: Int32,
-               tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout,
-               b_layout: cute.ComposedLayout):
+               tB: cute.Tensor, tma_c: cute.CopyAtom, tC: cute.Tensor, mA: cute.Tensor,
+               mB: cute.Tensor, mOut: cute.Tensor, sfA: cute.Tensor, sfB: cute.Tensor,
+               offs: cute.Tensor, num_tokens: Int32, tiled_mma: cute.TiledMma,
+               a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+               e_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -250,6 +290,8 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(self.tma_store):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -272,6 +314,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
             cute.make_layout((self.sfa_stride, self.sblocks, self.stages)))
         sSFB = storage.sSFB.get_tensor(
             cute.make_layout((self.sfb_stride, self.sblocks, self.stages)))
+        sE = storage.sE.get_tensor(e_layout.outer, swizzle=e_layout.inner)
 
         # ---- persistent tile loop: every role of every CTA walks the same units of the
         # schedule, p = cid, cid + n_clusters, ... (n-tile fastest, so concurrent CTAs share A
@@ -335,9 +378,13 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
                     self.tile_args(self.cluster_unit(p, rank), cur)
                 cons = self.consumer(pipe, cons, tiled_mma, sA, sB, sSFA, sSFB, mOut, tidx,
                                      wg_idx, row0, row_end, tx, ty, grp, k_tiles,
-                                     tok_valid_last)
+                                     tok_valid_last, tma_c, tC, sE)
                 p = p + n_clusters
                 cur = self.sched.seek(offs, self.cluster_unit(p, rank), cur)
+            if cutlass.const_expr(self.tma_store):
+                # the last tile's stores read this CTA's shared memory: done before it exits
+                if (tidx % THREADS_PER_WG) // 32 == 0:
+                    cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def cluster_unit(self, p: Int32, rank: Int32) -> Int32:
@@ -507,7 +554,8 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
                  sB: cute.Tensor,
                  sSFA: cute.Tensor, sSFB: cute.Tensor, mOut: cute.Tensor, tidx: Int32,
                  wg_idx: Int32, row0: Int32, row_end: Int32, bidx: Int32, bidy: Int32,
-                 grp: Int32, k_tiles: Int32, tok_valid_last: Int32):
+                 grp: Int32, k_tiles: Int32, tok_valid_last: Int32, tma_c: cute.CopyAtom,
+                 tC: cute.Tensor, sE: cute.Tensor):
         cwg = wg_idx - 1
         ct = tidx - THREADS_PER_WG  # 0..255 over both consumer warpgroups
         lane = ct % 32
@@ -587,11 +635,83 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
                 state.advance()
 
         col0 = bidx * self.tile_n
-        self.epilogue(acc, mOut, cwg, warp_in_wg, lane, row0, row_end, col0, bidy, grp)
-        if cutlass.const_expr(self.halves == 2):
-            self.epilogue(acc1, mOut, cwg, warp_in_wg, lane, row0, row_end, col0 + TILE_N,
-                          bidy, grp)
+        direct = True
+        if cutlass.const_expr(self.tma_store):
+            # this warpgroup's 64 rows; M-grouped they must all belong to the group
+            slab = cwg * (TILE_M // NUM_CONSUMER_WG)
+            if cutlass.const_expr(self.is_m):
+                direct = row0 + slab + TILE_M // NUM_CONSUMER_WG > row_end
+            else:
+                direct = False
+            if not direct:
+                self.epilogue_tma(acc, acc1, tma_c, tC, sE, cwg, warp_in_wg, lane,
+                                  row0 + slab if self.is_m else bidy * TILE_M + slab,
+                                  col0, grp)
+        if direct:
+            self.epilogue(acc, mOut, cwg, warp_in_wg, lane, row0, row_end, col0, bidy, grp)
+            if cutlass.const_expr(self.halves == 2):
+                self.epilogue(acc1, mOut, cwg, warp_in_wg, lane, row0, row_end,
+                              col0 + TILE_N, bidy, grp)
         return state
+
+    @cute.jit
+    def epilogue_tma(self, acc0: cute.Tensor, acc1: cute.Tensor, tma_c: cute.CopyAtom,
+                     tC: cute.Tensor, sE: cute.Tensor, cwg: Int32, warp_in_wg: Int32,
+                     lane: Int32, row: Int32, col0: Int32, grp: Int32):
+        """The TMA-store epilogue of one consumer warpgroup: its 64 rows (output row ``row``
+        on) of the tile whose first column is ``col0``, written as column pairs into its
+        64 x 64 boxes of ``sE`` (128-byte swizzle, so the 8 rows of one store instruction hit
+        distinct banks), then stored by warp 0 of the warpgroup with one TMA store per box.
+
+        The buffer is reused tile after tile: before writing, warp 0 waits until the previous
+        tile's stores have read it (they had a whole k-loop to drain), and a warpgroup barrier
+        passes that on. The swizzle is the layout's own (``self.epi_swizzle``, on byte
+        offsets), applied by hand as `copy_window` does."""
+        boxes = self.tile_n // EPI_BOX  # per warpgroup
+        box_words = EPI_BOX * EPI_BOX // 2
+        bar = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + cwg, num_threads=THREADS_PER_WG)
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()  # bar.sync is aligned; an mbarrier spin may leave a warp diverged
+        bar.arrive_and_wait()
+        bits, base, shift = self.epi_swizzle
+        words = cute.make_tensor(cute.recast_ptr(sE.iterator, dtype=Int32),
+                                 cute.make_layout(NUM_CONSUMER_WG * boxes * box_words))
+        n_acc = cute.size(acc0)
+        for h in cutlass.range_constexpr(self.halves):
+            acc = acc0 if h == 0 else acc1
+            flat = cute.make_tensor(acc.iterator, cute.make_layout(n_acc))
+            out = cute.make_rmem_tensor((n_acc,), self.out_dtype)
+            out.store(flat.load().to(self.out_dtype))
+            pairs = cute.recast_tensor(out, Int32)
+            # value i = 4 q + 2 hr + b at row 8 hr, column 8 q + b of this thread's origin
+            # (see `promote`); a 128-column half is two boxes of 8 column groups each
+            for q in cutlass.range(n_acc // 4, unroll_full=True):
+                for hr in cutlass.range_constexpr(2):
+                    r = warp_in_wg * 16 + lane // 4 + 8 * hr
+                    box = cwg * boxes + h * (TILE_N // EPI_BOX) + q // (EPI_BOX // 8)
+                    byte = (r * EPI_BOX + (q % (EPI_BOX // 8)) * 8 + 2 * (lane % 4)) * 2
+                    byte = byte ^ (((byte >> (base + shift)) & ((1 << bits) - 1)) << base)
+                    words[box * box_words + byte // 4] = pairs[2 * q + hr]
+        # the generic-proxy stores must be visible to the TMA unit (async proxy)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        bar.arrive_and_wait()
+        if warp_in_wg == 0:
+            out_cols = output_columns(self.mode, self.cfg.n, self.cfg.k)
+            if cutlass.const_expr(self.is_m):
+                gE = cute.local_tile(cute.domain_offset((row, 0), tC), (EPI_BOX, EPI_BOX),
+                                     (0, None))
+            else:
+                gE = cute.local_tile(tC, (EPI_BOX, EPI_BOX, 1),
+                                     (row // EPI_BOX, None, grp))[(None, None, 0, None)]
+            tSs, tGg = cute.nvgpu.cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sE, 0, 2),
+                cute.group_modes(gE, 0, 2))
+            for bx in cutlass.range_constexpr(boxes):
+                if col0 + bx * EPI_BOX < out_cols:  # boxes wholly past the end: nothing
+                    cute.copy(tma_c, tSs[(None, cwg * boxes + bx)],
+                              tGg[(None, col0 // EPI_BOX + bx)])
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def consumer_k128_wide(self, pipe, state, acc0: cute.Tensor, acc1: cute.Tensor,
@@ -768,6 +888,11 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         for q in cutlass.range(n_acc // 4, unroll_full=True):
             for h in cutlass.range_constexpr(2):
                 pc = p_base + 4 * q
+                if cutlass.const_expr(self.cfg.diag == "no_store"):
+                    # every pair is tested (so computed); only one equal to the sentinel
+                    # (none, in practice) keeps its column and is stored
+                    if pairs[2 * q + h] != self.pair_dtype(NO_STORE_SENTINEL):
+                        pc = n_len + k_len
                 if cutlass.const_expr(self.is_m):
                     row = row0 + r_base + 8 * h
                     if row < row_end and pc < n_len:

@@ -16,16 +16,22 @@ from ..mx_format import SCALE_BLOCKS
 from .host import GroupedGemmHost
 from .problem import MODE_M, MODES, GroupedProblem, output_columns
 
-DIAG_MODES = ("", "no_promote", "no_scale_wait", "promote_only")
+DIAG_MODES = ("", "no_promote", "no_scale_wait", "promote_only", "no_store")
+# diagnostics that apply to every recipe (the others measure the exact-MXFP8 promotion)
+DIAG_ANY_RECIPE = ("no_store",)
+# "no_store" keeps the epilogue's stores behind a test no output pair passes (so the
+# accumulators stay live and nothing is folded away): the bits of this int32 value
+NO_STORE_SENTINEL = -0x0BADF00D
 TILE_M = 128  # two consumer warpgroups of 64 rows; one packed scale tile's 128 rows
 TILE_N = 128  # the wgmma's N: one packed scale tile of B per k-tile
 TILE_NS = (TILE_N, 2 * TILE_N)  # output tile widths: one or two wgmma column halves
 RASTER_BAND = 16  # rows of tiles per raster band of the 1x128 kernels (docs/design/hopper_gemm.md)
-# 1x128: 256-column tiles pay only over a long reduction per tile. At Qwen3-30B-A3B shapes on an
-# H100 (2026-11-26) 128-column tiles were 6 % faster at dgrad (reduced axis 1536) and 7-8 % at
-# wgrad (1024 tokens per expert), level at fprop (2048); wider tiles won at dsv3 and mixtral
-# (4096 and more). The reduced length per tile from which `select_config` takes 256 columns:
-WIDE_TILE_MIN_REDUCTION = 2048
+# 1x128: 256-column tiles pay only over a long enough reduction per tile. With the TMA-store
+# epilogue, at Qwen3-30B-A3B shapes on an H100 (2026-11-27), they were 17 % faster than
+# 128-column tiles at wgrad (1024 tokens per expert) and level at dgrad (reduced axis 1536);
+# with direct stores (2026-11-26) 128-column tiles had been 7-8 % faster at such lengths. The
+# reduced length per tile from which `select_config` takes 256 columns (shorter: unmeasured):
+WIDE_TILE_MIN_REDUCTION = 1024
 
 
 @dataclass(frozen=True)
@@ -73,10 +79,22 @@ class GroupedGemmSm90Config:
     # share B tiles in L2 (`schedule.GroupedTileSchedule.tile_coords`). 1: row by row.
     # `select_config`: RASTER_BAND for the 1x128 recipe (measured), else 1.
     band_m: int = 1
+    # epilogue through shared memory and TMA stores (16-bit outputs): each consumer
+    # warpgroup writes its 64 rows of the tile into 64 x 64 swizzled boxes and one of its warps
+    # issues their TMA stores, which drain while the next tile's k-loop runs, instead of every
+    # thread storing its column pairs to global memory and stalling on them. The tile's
+    # buffer (TILE_M x tile_n x 2 bytes) takes shared memory from the stages. M-grouped, a
+    # warpgroup whose 64 rows cross the group's end stores directly (a box would write the
+    # next group's rows). None: on for 16-bit outputs of the 1x128 recipe (measured: H100,
+    # 2026-11-27, fprop / dgrad / wgrad 1.22 / 1.24 / 1.19x the direct stores at qwen3,
+    # 1.02 / 1.21 / 1.05x at dsv3, 1.08 / 1.09 / 1.08x at mixtral, although it leaves
+    # 256-column tiles 3 stages instead of 4; no change for 1x32, promotion-bound).
+    tma_store: bool | None = None
     # diagnostics for measuring the kernel's limits (results are WRONG; never dispatched):
     # "no_promote": the wgmmas accumulate straight into acc (the same pipeline without the
     # CUDA-core promotion); "no_scale_wait": scale warps idle, consumers do not wait for them;
-    # "promote_only": no wgmma is issued (the promotion and the pipeline alone).
+    # "promote_only": no wgmma is issued (the promotion and the pipeline alone); "no_store": the
+    # epilogue converts but stores (almost) nothing (the cost of writing the output).
     diag: str = ""
 
     def __post_init__(self):
@@ -86,7 +104,7 @@ class GroupedGemmSm90Config:
             raise ValueError(f"scale_blocks must be one of {SCALE_BLOCKS}")
         if self.mode != MODE_M and self.scale_blocks == "32x32":
             raise ValueError("the K-grouped kernel uses per-row (1xK) blocks only")
-        if self.scale_blocks == "1x128" and self.diag:
+        if self.scale_blocks == "1x128" and self.diag not in ("", *DIAG_ANY_RECIPE):
             raise ValueError("diag modes measure the exact-MXFP8 kernel")
         if self.scale_lookahead < 1:
             raise ValueError("scale_lookahead must be >= 1")
@@ -98,6 +116,8 @@ class GroupedGemmSm90Config:
             raise ValueError(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
         if self.tile_n != TILE_N and self.scale_blocks != "1x128":
             raise ValueError("256-column tiles are built for the 1x128 recipe only")
+        if self.tma_store and self.out_dtype.itemsize != 2:
+            raise ValueError("the TMA-store epilogue is built for 16-bit outputs")
         if self.band_m < 1:
             raise ValueError("band_m must be >= 1")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,8 +87,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     from moe_mxfp8.kernels.grouped_gemm.sm90 import GroupedGemmSm90, GroupedGemmSm90Config
     mode, out_dtype, blocks, cl, tn = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
                                        int(sys.argv[5]))
+    tma_store = len(sys.argv) > 6 and sys.argv[6] == "tma_store"
     cfg = GroupedGemmSm90Config(mode, 256, 512, getattr(torch, out_dtype), blocks, cluster_n=cl,
-                                tile_n=tn)
+                                tile_n=tn, tma_store=tma_store)
     launcher.compile_config(GroupedGemmSm90, cfg, options="--keep-cubin")
     print("OK")
 """)
@@ -128,6 +130,35 @@ def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, mode, out_dtype, 
         # temporary), and the B tile arrives as two TMA boxes
         assert sass.count("QGMMA.64x128x32") == 8
         assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,cluster_n,tile_n", [("m", 1, 256), ("m", 1, 128),
+                                                   ("k", 2, 256), ("k", 2, 128)])
+def test_tma_store_epilogue_compiles(tmp_path, mode, cluster_n, tile_n):
+    """The TMA-store epilogue (``tma_store``, bf16 output): one TMA store per 64 x 64 box of
+    a warpgroup's rows (tile_n / 64 of them), the warpgroup's own named barrier, the bulk
+    wait before the buffer is rewritten, no spills. M-grouped keeps the direct stores for
+    the rows that cross a group's end; K-grouped has none left in its epilogue."""
+    pytest.importorskip("cutlass")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, mode, "bfloat16", "1x128",
+                          str(cluster_n), str(tile_n), "tma_store"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-4000:]
+    exe = _nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not installed")
+    sass = subprocess.run([exe, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]],
+                          capture_output=True, text=True).stdout
+    assert sass.count("UTMASTG") == tile_n // 64
+    assert "LDL" not in sass and "STL" not in sass, "local-memory spill"
+    assert re.search(r"BAR\.SYNC\S* R\d+, 0x80", sass), "no warpgroup barrier"
+    assert "DEPBAR.LE SB0, 0x0" in sass, "no bulk-store wait"
+    # the direct stores of the epilogue: one per column pair per half (M-grouped) or none
+    stg = len(re.findall(r"\bSTG\.E", sass))
+    assert (stg >= tile_n // 4) == (mode == "m"), stg
 
 
 @pytest.mark.slow
@@ -368,8 +399,11 @@ def test_1x128_cluster_and_persistent_loop(op):
 def test_1x128_wide_tile_equals_narrow_tile(op, grouping):
     """The 256-column tile computes every output element exactly as the 128-column tile does
     (the same 4 wgmmas per k-tile and half, the same promotion order): bit-identical outputs,
-    both right. Output widths 384 / 320 / 288 leave a tile whose second half lies past the end
-    (no scale read) and partial scale tiles; a 3-CTA persistent grid walks many tiles per CTA;
+    both right; and each stores the same bytes directly or through shared memory and TMA
+    stores (M-grouped, a warpgroup's rows that cross the group's end store directly; boxes
+    past the output's end are clipped or skipped). Output widths 384 / 320 / 288 leave a tile
+    whose second half lies past the end (no scale read) and partial scale tiles; a 3-CTA
+    persistent grid walks many tiles per CTA (the TMA-store buffer reused tile after tile);
     wgrad with and without 2-CTA clusters, its groups re-laid out for TMA or (slow copy)
     copied by the producer warp from unaligned starts."""
     dev = "cuda"
@@ -397,13 +431,14 @@ def test_1x128_wide_tile_equals_narrow_tile(op, grouping):
         launch = dict(scale_blocks="1x128", aligned_groups=op == "wgrad_slow_copy")
         variants += [dict(max_clusters=None, cluster_n=2), dict(max_clusters=2, cluster_n=2)]
     outs = {}
-    for tile_n in (128, 256):
+    for tile_n, tma_store in ((128, False), (128, True), (256, False), (256, True)):
         for v in variants:
             out = torch.full(shape, float("nan"), device=dev, dtype=torch.bfloat16)
-            tuning = {"tile_n": tile_n, "cluster_n": v.get("cluster_n", 1)}
+            tuning = {"tile_n": tile_n, "cluster_n": v.get("cluster_n", 1),
+                      "tma_store": tma_store}
             _mm(mode, a, b, offs, out=out, tuning=tuning, max_clusters=v["max_clusters"],
                 **launch)
-            outs[tile_n, tuple(sorted(v.items(), key=str))] = out
+            outs[tile_n, tma_store, tuple(sorted(v.items(), key=str))] = out
     first = next(iter(outs.values()))
     _check(first, R.grouped_mm(a, b, offs, torch.float32), torch.bfloat16)
     for key, out in outs.items():
@@ -441,10 +476,12 @@ def test_select_config_tile_width():
     assert shape(cfg("k", 640, "1x128")) == (256, sm90.RASTER_BAND, 1)  # 3 tiles: no pairs
     assert shape(cfg("m", 4096, "1x128", {"cluster_n": 2})) == (256, sm90.RASTER_BAND, 2)
     assert shape(cfg("m", 4096, "1x128", {"tile_n": 128})) == (128, sm90.RASTER_BAND, 1)
-    # short reductions (Qwen3-30B-A3B: dgrad over 1536, wgrad over 1024 tokens per expert)
-    assert shape(cfg("m", 2048, "1x128", red=1536)) == (128, sm90.RASTER_BAND, 1)
-    assert shape(cfg("k", 2048, "1x128", red=1024, groups=128)) == (128, sm90.RASTER_BAND, 2)
-    assert shape(cfg("k", 2048, "1x128", red=long, groups=128)) == (256, sm90.RASTER_BAND, 2)
+    # Qwen3-30B-A3B (dgrad over 1536, wgrad over 1024 tokens per expert): wide; shorter: not
+    assert shape(cfg("m", 2048, "1x128", red=1536)) == (256, sm90.RASTER_BAND, 1)
+    assert shape(cfg("k", 2048, "1x128", red=1024, groups=128)) == (256, sm90.RASTER_BAND, 2)
+    assert shape(cfg("m", 2048, "1x128", red=long // 2)) == (128, sm90.RASTER_BAND, 1)
+    assert shape(cfg("k", 2048, "1x128", red=long // 2, groups=128)) == (128, sm90.RASTER_BAND,
+                                                                           2)
     assert shape(cfg("m", 2048, "1x128", {"tile_n": 256}, red=768)) == (256, sm90.RASTER_BAND, 1)
     with pytest.raises(ValueError, match="band_m"):
         sm90.GroupedGemmSm90Config("k", 256, 256, scale_blocks="1x128", band_m=0)
