@@ -26,9 +26,11 @@
 #   several-gpus      two GPUs: a layer on cuda:1, FSDP2 over NCCL (tests, 2+ GPUs)
 # Env: OUT; LIMIT (seconds per suite, else the suite's default); SHAPES (benchmark shapes, comma
 # separated); GEMM_MODES (bench-gemm, default 1x128); PARITY_ARGS (default --bf16-repeat 1);
-# WORKERS (pytest-xdist processes for the test suites, where the image has xdist).
+# WORKERS (pytest-xdist processes for the test suites, where the image has xdist; default 6 for
+# the single-process suites gemm, layer, datapath and quant, which then take 40-80 s each on an
+# H100 instead of running past their limits; 0 turns it off).
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
 source tools/device_prelude.sh name,driver_version,clocks.max.sm
 python -c "import torch; print('torch', torch.__version__)"
 SHAPES=${SHAPES:-dsv3,mixtral,qwen3}
@@ -49,8 +51,10 @@ declare -A LIMITS=([gemm]=240 [layer]=300 [datapath]=300 [quant]=400 [rest]=180 
 limit() { echo "${LIMIT:-${LIMITS[$1]}}"; }
 
 run_tests() {  # suite
-  local xdist=""
-  [ -n "${WORKERS:-}" ] && python -c "import xdist" 2>/dev/null && xdist="-n $WORKERS"
+  local xdist="" workers=${WORKERS:-}
+  case "$1" in gemm|layer|datapath|quant) workers=${workers:-6} ;; esac
+  [ -n "$workers" ] && [ "$workers" != 0 ] && python -c "import xdist" 2>/dev/null \
+    && xdist="-n $workers"
   # shellcheck disable=SC2086
   timeout "$(limit "$1")" python -m pytest -q -m gpu -p no:cacheprovider -rfE $xdist \
     ${TESTS[$1]} > "$OUT/tests_$1.txt" 2>&1
