@@ -82,6 +82,11 @@ ROW_TILING = {
 # wgrad TMA's); one byte a token in the columnwise copy, so 16 rows = one 16-byte store.
 ROW_ALIGN = K_GROUP_ALIGN
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton types of the kernels' arguments for a build without a launch (the CPU tests' sm_90
+# builds, tools/triton_sass.py): pointers not named here are uint8, other scalars int32
+ARG_TYPES = {**{n: "*bf16" for n in ("x_ptr", "h_ptr", "da_ptr", "dout_ptr", "y_ptr", "out_ptr")},
+             **{n: "*i32" for n in ("src_ptr", "tbl_ptr", "rows_ptr")},
+             "w_ptr": "*fp32", "part_ptr": "*fp32"}
 
 
 # ---------------------------------------------------------------------------------------------

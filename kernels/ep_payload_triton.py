@@ -28,6 +28,11 @@ ROWS = 16
 PACK_COLS = 128
 UNPACK_COLS = 256
 WARPS = 4
+# Triton types of the kernels' arguments for a build without a launch (the CPU tests' sm_90
+# builds, tools/triton_sass.py): pointers not named here are uint8, other scalars int32
+# (the packed payload rows: uint8; the unpacked rows: bf16)
+ARG_TYPES = {"x_ptr": "*bf16", "idx_ptr": "*i64"}
+KERNEL_ARG_TYPES = {"_unpack_kernel": {"out_ptr": "*bf16"}}
 
 
 @triton.jit

@@ -44,6 +44,14 @@ MAX_TOKENS_FWD, MAX_TOKENS_BWD = 64, 16
 TILE_ELEMS_FWD, TILE_ELEMS_BWD = 2048, 1024
 REDUCE_ELEMS = 8192
 MIN_EXPERTS = 16  # the expert axis is at least this wide
+# Triton types of the kernels' arguments for a build without a launch (the CPU tests' sm_90
+# builds, tools/triton_sass.py): pointers not named here are uint8, other scalars int32
+ARG_TYPES = {
+    **{n: "*fp32" for n in ("logits_ptr", "scores_ptr", "w_ptr", "psum_ptr", "frac_ptr",
+                            "aux_ptr", "dw_ptr", "daux_ptr", "dlogits_ptr")},
+    "ids_ptr": "*i64", "counts_ptr": "*i64", "nonfinite_ptr": "*i64", "bad_ptr": "*i8",
+    "pint_ptr": "*i32", "n_tokens": "fp32", "n_pairs": "fp32", "aux_scale": "fp32",
+}
 # torch.finfo(torch.float32).tiny: the floor of the score sums (the reference's clamp_min(TINY))
 FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)
 

@@ -42,6 +42,10 @@ SCAN_ROWS, TABLE_ROWS = 32, 64  # at most: chunks per step of the prefix pass, t
 MIN_EXPERTS = 16  # the expert axis is at least this wide (tl.arange, reductions)
 ONE_HOT_ELEMS = 8192  # pairs x experts per step of a one-hot pass (registers of 4 warps)
 TILE_ELEMS = 16384  # chunks or table rows x experts of the prefix and table tiles
+# Triton types of the kernels' arguments for a build without a launch (the CPU tests' sm_90
+# builds, tools/triton_sass.py): pointers not named here are uint8, other scalars int32
+ARG_TYPES = {"ids_ptr": "*i64", **{n: "*i32" for n in ("hist_ptr", "rows_ptr", "src_ptr",
+                                                       "offs_ptr", "tbl_ptr", "tile_ends_ptr")}}
 
 
 def expert_width(num_experts: int) -> int:

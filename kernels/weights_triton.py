@@ -17,6 +17,9 @@ import triton.language as tl
 from .device import on_device
 
 TILE = 64  # bytes on each side of a program's tile
+# Triton types of the kernel's arguments for a build without a launch: both pointers are FP8
+# bytes (uint8), the sizes int32
+ARG_TYPES: dict[str, str] = {}
 
 
 @triton.jit

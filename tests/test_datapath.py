@@ -469,10 +469,6 @@ def test_kernels_interpreter(gen, case):
     run_interpreted(code, seed)
 
 
-# Pointer dtypes of the row-block kernels' arguments (the rest are int32 sizes or constexprs).
-_PTR_TYPES = {"x_ptr": "*bf16", "h_ptr": "*bf16", "da_ptr": "*bf16", "dout_ptr": "*bf16",
-              "y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32",
-              "src_ptr": "*i32", "tbl_ptr": "*i32"}
 # (kernel, extra constexprs, its `ROW_TILING` key)
 _ROW_KERNELS = [("_dispatch_kernel", {}, "dispatch"),
                 ("_swiglu_fwd_kernel", {}, "swiglu_fwd"),
@@ -497,8 +493,7 @@ def test_row_kernels_compile_for_sm90(name, extra, rows, ablk, tmp_path):
             "BF16": True}
     warps, regs = meta.pop("num_warps"), meta.pop("maxnreg", None)
     # as launched: 16-byte aligned buffers and sizes (Triton's specialization of such args)
-    k = compile_for_sm90(getattr(K, name), meta, _PTR_TYPES, warps, aligned_except=("TOPK",),
-                         maxnreg=regs)
+    k = compile_for_sm90(getattr(K, name), meta, warps, aligned_except=("TOPK",), maxnreg=regs)
     ptx = k.asm["ptx"]
     assert ".target sm_90" in ptx
     # IEEE division as PyTorch's silu kernels (Triton's `/` is the approximate div.full.f32)

@@ -400,13 +400,12 @@ def test_payload_kernels_compile_for_sm90(name):
     from tests.triton_sm90 import compile_for_sm90
 
     pack = name == "_pack_kernel"
-    types = {"x_ptr": "*bf16", "out_ptr": "*u8" if pack else "*bf16", "idx_ptr": "*i64"}
     consts = {"INTERP": False, "RB": K.ROWS, "CB": K.PACK_COLS if pack else K.UNPACK_COLS}
-    k = compile_for_sm90(getattr(K, name), consts, types, K.WARPS)
+    k = compile_for_sm90(getattr(K, name), consts, K.WARPS)
     assert ".target sm_90" in k.asm["ptx"] and ".ftz" not in k.asm["ptx"]
     # the payload's rows are 16-byte aligned at the model widths (D a multiple of 512): its
     # bytes move 16 at a time (a width computed in the kernel lost that and moved single bytes)
-    aligned = compile_for_sm90(getattr(K, name), consts, types, K.WARPS, aligned_except=("R",))
+    aligned = compile_for_sm90(getattr(K, name), consts, K.WARPS, aligned_except=("R",))
     payload_access = "st.global.v4.b32" if pack else "ld.global.v4.b32"
     assert payload_access in aligned.asm["ptx"]
 

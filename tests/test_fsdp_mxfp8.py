@@ -159,7 +159,7 @@ def test_transpose_kernel_compiles_for_sm90():
 
     from tests.triton_sm90 import compile_for_sm90
 
-    k = compile_for_sm90(K._transpose_kernel, {"T": K.TILE}, {}, 4, aligned_except=())
+    k = compile_for_sm90(K._transpose_kernel, {"T": K.TILE}, 4, aligned_except=())
     assert ".target sm_90" in k.asm["ptx"]
 
 

@@ -55,14 +55,23 @@ def assert_no_spills(kernel, tmp_path, what: str) -> None:
     assert "STL" not in sass, f"{what} spills to local memory"
 
 
-def check_sm90_builds(kernels, pointer_types: dict, num_warps: int, tmp_path, label: str,
+def arg_types(fn) -> dict:
+    """The Triton types of ``fn``'s arguments for a build without a launch: its module's
+    ``ARG_TYPES``, then the kernel's own entries of ``KERNEL_ARG_TYPES`` (pointers named in
+    neither are uint8, other scalars int32)."""
+    module = sys.modules[fn.fn.__module__]
+    own = getattr(module, "KERNEL_ARG_TYPES", {}).get(fn.fn.__name__, {})
+    return {**module.ARG_TYPES, **own}
+
+
+def check_sm90_builds(kernels, num_warps: int, tmp_path, label: str,
                       forbidden: tuple[str, ...] = ()) -> None:
     """Each ``(kernel, constexprs)`` of ``kernels`` compiles for sm_90 (`compile_for_sm90`), its
     PTX holds none of ``forbidden``, then none spills (`assert_no_spills`, last: it skips
     without nvdisasm)."""
     built = []
     for fn, constexprs in kernels:
-        k = compile_for_sm90(fn, constexprs, pointer_types, num_warps)
+        k = compile_for_sm90(fn, constexprs, num_warps)
         ptx = k.asm["ptx"]
         assert ".target sm_90" in ptx
         for text in forbidden:
@@ -72,10 +81,11 @@ def check_sm90_builds(kernels, pointer_types: dict, num_warps: int, tmp_path, la
         assert_no_spills(k, tmp_path, f"{fn.fn.__name__} ({label})")
 
 
-def compile_for_sm90(fn, constexprs: dict, pointer_types: dict, num_warps: int,
+def compile_for_sm90(fn, constexprs: dict, num_warps: int,
                      aligned_except: tuple[str, ...] | None = None, maxnreg: int | None = None):
-    """``fn`` (a ``@triton.jit`` kernel) with ``constexprs``; every other argument is a pointer
-    of ``pointer_types[name]`` (default ``*u8`` for names ending in ``_ptr``) or an int32.
+    """``fn`` (a ``@triton.jit`` kernel) with ``constexprs``; every other argument has the type
+    `arg_types` gives (its kernel module's table: ``*u8`` for other names ending in ``_ptr``,
+    else int32).
     ``aligned_except``: specialize every runtime argument but these as 16-byte aligned /
     divisible by 16, as Triton does at a launch with such arguments (None: no specialization);
     ``maxnreg``: the launch's cap on registers per thread, if any.
@@ -84,8 +94,9 @@ def compile_for_sm90(fn, constexprs: dict, pointer_types: dict, num_warps: int,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    types = arg_types(fn)
     sig = {a: "constexpr" if a in constexprs
-           else pointer_types.get(a, "*u8" if a.endswith("_ptr") else "i32")
+           else types.get(a, "*u8" if a.endswith("_ptr") else "i32")
            for a in inspect.signature(fn.fn).parameters}
     attrs = None
     if aligned_except is not None:

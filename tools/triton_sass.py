@@ -24,18 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# pointer argument -> Triton type (the rest of the *_ptr arguments are uint8 outputs)
-POINTER_TYPES = {
-    "x_ptr": "*bf16", "h_ptr": "*bf16", "da_ptr": "*bf16", "dout_ptr": "*bf16", "y_ptr": "*bf16",
-    "out_ptr": "*bf16", "src_ptr": "*i32", "tbl_ptr": "*i32", "w_ptr": "*fp32",
-    "part_ptr": "*fp32", "idx_ptr": "*i64", "ids_ptr": "*i64",
-    # the router's and the routing layout's (their float scalars too)
-    **{n: "*fp32" for n in ("logits_ptr", "scores_ptr", "psum_ptr", "frac_ptr", "aux_ptr",
-                            "dw_ptr", "daux_ptr", "dlogits_ptr")},
-    **{n: "*i32" for n in ("pint_ptr", "hist_ptr", "rows_ptr", "offs_ptr", "tile_ends_ptr")},
-    "counts_ptr": "*i64", "nonfinite_ptr": "*i64", "bad_ptr": "*i8",
-    "n_tokens": "fp32", "n_pairs": "fp32", "aux_scale": "fp32",
-}
 # any count: the EP payload rows (M, the layout extent, is 16-aligned); tokens, pairs, chunks
 NOT_ALIGNED = ("R", "T", "M", "NCH", "NP", "NB", "M_PAD")
 # the MXFP8 training path's outputs (rowwise + columnwise copies) and the BF16 twin's
@@ -103,7 +91,7 @@ def _tool(name: str) -> str:
 def mix(fn, consts: dict, warps: int, elements: int, keep: Path | None, name: str) -> dict:
     from tests.triton_sm90 import compile_for_sm90
 
-    k = compile_for_sm90(fn, consts, POINTER_TYPES, warps, aligned_except=NOT_ALIGNED)
+    k = compile_for_sm90(fn, consts, warps, aligned_except=NOT_ALIGNED)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(k.asm["cubin"])
