@@ -5,9 +5,12 @@
 # then every 1x128 Hopper kernel configuration forced in turn at the Qwen3 shapes.
 # Here, once:  bash tools/make_devwheels.sh   (torchao into .devwheels/, 0.7 MiB)
 #   run  carry=[".devsite", ".devwheels"]  timeout_s=540  command: bash tools/gpu_bench_gemm_peers.sh
-# Out: $OUT/peers.md + peers.json (everything), per step peers_<shape>.json, sweep_<shape>.json,
-# ceilings.json and logs (log_*.txt). Each step is its own process under a time limit cut to
-# what is left of BUDGET_S, so a slow step costs the later ones, never the report.
+#   (where the two and the tree pass the 64 MiB a call carries, carry ".devwheels" alone on a
+#   machine still warm from a call that carried ".devsite": it keeps that folder)
+# Out: $OUT/peers.md + peers.json (everything), ceilings.json, gpu.txt and steps.tar.gz (per
+# step peers_<shape>.json, sweep_<shape>.json and the logs log_*.txt). Each step is its own
+# process under a time limit cut to what is left of BUDGET_S, so a slow step costs the later
+# ones, never the report.
 # Env: SHAPES (default "dsv3 qwen3 mixtral mixtral_down"), SWEEP_SHAPES (default "qwen3", ""
 # skips the sweep), BUDGET_S (default 500), REPS / ROUNDS (default 10 / 5), ROUTING (balanced).
 set -uo pipefail
@@ -67,4 +70,8 @@ done
 [ ${#parts[@]} -gt 0 ] && timeout 30 python -m benchmarks.bench_grouped_gemm --merge "${parts[@]}" \
   $CEIL --json "$OUT/peers.json" --md "$OUT/peers.md" > /dev/null 2> "$OUT/log_report.txt"
 cat "$OUT/peers.md" 2>/dev/null || { echo "no report"; tail -20 "$OUT"/log_*.txt; }
+# at most 8 files come back from the device: the per-step JSON and logs as one archive, next to
+# the report, the merged JSON, the ceilings and the GPU line
+(cd "$OUT" && tar -czf steps.tar.gz log_*.txt peers_*.json sweep_*.json 2>/dev/null \
+  && rm -f log_*.txt peers_*.json sweep_*.json)
 echo "== done in $(( SECONDS - T0 ))s"
