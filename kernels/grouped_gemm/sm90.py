@@ -158,29 +158,25 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         self.tx_bytes = ab_stage_bytes
 
     # ------------------------------------------------------------------ host-side (traced)
-    def _smem_layouts(self):
-        def one(rows, stages):
-            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype,
-                                                TILE_K),
-                self.ab_dtype,
-            )
-            return cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2))
+    @staticmethod
+    def _swizzled(dtype, rows: int, cols: int, count: int):
+        """``count`` row-major ``rows x cols`` tiles of ``dtype`` in shared memory, swizzled as
+        the wgmma and TMA units read them (128 bytes a row: the 128-byte swizzle)."""
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+        return cute.tile_to_shape(atom, (rows, cols, count), order=(0, 1, 2))
 
+    def _smem_layouts(self):
         # B: a stage of a 256-column tile is two 128-row sub-stages (2 s + h for column half
         # h), each the operand of one wgmma of N = 128 and the target of one TMA box
-        return one(TILE_M, self.stages), one(TILE_N, self.stages * self.halves)
+        return (self._swizzled(self.ab_dtype, TILE_M, TILE_K, self.stages),
+                self._swizzled(self.ab_dtype, TILE_N, TILE_K, self.stages * self.halves))
 
     def _epi_layout(self):
-        """The TMA-store epilogue's buffer: 64 x 64 boxes of the output dtype, 128-byte
-        swizzle, ``tile_n / 32`` of them (each consumer warpgroup's 64 rows, box by box)."""
-        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.out_dtype,
-                                            EPI_BOX),
-            self.out_dtype,
-        )
-        boxes = NUM_CONSUMER_WG * self.tile_n // EPI_BOX
-        return cute.tile_to_shape(atom, (EPI_BOX, EPI_BOX, boxes), order=(0, 1, 2))
+        """The TMA-store epilogue's buffer: 64 x 64 boxes of the output dtype, ``tile_n / 32``
+        of them (each consumer warpgroup's 64 rows, box by box)."""
+        return self._swizzled(self.out_dtype, EPI_BOX, EPI_BOX,
+                              NUM_CONSUMER_WG * self.tile_n // EPI_BOX)
 
     def _make_tiled_mma(self):
         """Two consumer warpgroups, each m64 n128 k32 fp8 wgmma with K-major operands."""
@@ -679,11 +675,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
                                  cute.make_layout(NUM_CONSUMER_WG * boxes * box_words))
         n_acc = cute.size(acc0)
         for h in cutlass.range_constexpr(self.halves):
-            acc = acc0 if h == 0 else acc1
-            flat = cute.make_tensor(acc.iterator, cute.make_layout(n_acc))
-            out = cute.make_rmem_tensor((n_acc,), self.out_dtype)
-            out.store(flat.load().to(self.out_dtype))
-            pairs = cute.recast_tensor(out, Int32)
+            pairs = self.column_pairs(acc0 if h == 0 else acc1)
             # value i = 4 q + 2 hr + b at row 8 hr, column 8 q + b of this thread's origin
             # (see `promote`); a 128-column half is two boxes of 8 column groups each
             for q in cutlass.range(n_acc // 4, unroll_full=True):
@@ -866,6 +858,17 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
                         acc[i] = acc[i] + tmp[i] * (sa * sb[q * 2 + b])
 
     @cute.jit
+    def column_pairs(self, acc: cute.Tensor) -> cute.Tensor:
+        """``acc`` converted to the output dtype, as pairs of adjacent columns (value ``j`` of
+        the result holds accumulator values ``2 j``, ``2 j + 1``: one 32-bit word for bf16,
+        64 bits for fp32), the unit both epilogues store."""
+        n_acc = cute.size(acc)
+        flat = cute.make_tensor(acc.iterator, cute.make_layout(n_acc))
+        out = cute.make_rmem_tensor((n_acc,), self.out_dtype)
+        out.store(flat.load().to(self.out_dtype))
+        return cute.recast_tensor(out, self.pair_dtype)
+
+    @cute.jit
     def epilogue(self, acc: cute.Tensor, mOut: cute.Tensor, cwg: Int32, warp_in_wg: Int32,
                  lane: Int32, row0: Int32, row_end: Int32, col0: Int32, bidy: Int32,
                  grp: Int32):
@@ -874,10 +877,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         store into ``mOut``, the output viewed as column pairs (half the store instructions
         of element stores)."""
         n_acc = cute.size(acc)
-        flat = cute.make_tensor(acc.iterator, cute.make_layout(n_acc))
-        out = cute.make_rmem_tensor((n_acc,), self.out_dtype)
-        out.store(flat.load().to(self.out_dtype))
-        pairs = cute.recast_tensor(out, self.pair_dtype)
+        pairs = self.column_pairs(acc)
         r_base = cwg * 64 + warp_in_wg * 16 + lane // 4
         p_base = col0 // 2 + lane % 4  # this thread's first column pair
         n_len = cute.size(mOut, mode=[0 if not self.is_m else 1])

@@ -103,15 +103,13 @@ def _mm(mode, a, b, offs, out_dtype=torch.bfloat16, **launch):
     return launcher.grouped_mm(GroupedGemmSm90, mode, a, b, offs, out_dtype, **launch)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode,out_dtype,scale_blocks,cluster_n,tile_n", VARIANTS)
-def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, mode, out_dtype, scale_blocks,
-                                                     cluster_n, tile_n):
+def _sm90a_sass(tmp_path, *argv: str) -> str:
+    """`_COMPILE_SCRIPT` with ``argv`` compiled for sm_90a in a subprocess, its cubin's SASS
+    (the test skips where nvdisasm is not installed)."""
     pytest.importorskip("cutlass")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, mode, out_dtype,
-                          scale_blocks, str(cluster_n), str(tile_n)], cwd=tmp_path, env=env,
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, *argv], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-4000:]
     cubins = glob.glob(str(tmp_path / "*.cubin"))
@@ -119,7 +117,14 @@ def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, mode, out_dtype, 
     exe = _nvdisasm()
     if exe is None:
         pytest.skip("nvdisasm not installed")
-    sass = subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True).stdout
+    return subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,out_dtype,scale_blocks,cluster_n,tile_n", VARIANTS)
+def test_compiles_for_sm90a_with_qgmma_and_no_spills(tmp_path, mode, out_dtype, scale_blocks,
+                                                     cluster_n, tile_n):
+    sass = _sm90a_sass(tmp_path, mode, out_dtype, scale_blocks, str(cluster_n), str(tile_n))
     assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass
     assert "LDL" not in sass and "STL" not in sass, "local-memory spill"
     assert "UTMALDG" in sass
@@ -140,18 +145,8 @@ def test_tma_store_epilogue_compiles(tmp_path, mode, cluster_n, tile_n):
     a warpgroup's rows (tile_n / 64 of them), the warpgroup's own named barrier, the bulk
     wait before the buffer is rewritten, no spills. M-grouped keeps the direct stores for
     the rows that cross a group's end; K-grouped has none left in its epilogue."""
-    pytest.importorskip("cutlass")
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, mode, "bfloat16", "1x128",
-                          str(cluster_n), str(tile_n), "tma_store"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-4000:]
-    exe = _nvdisasm()
-    if exe is None:
-        pytest.skip("nvdisasm not installed")
-    sass = subprocess.run([exe, "-c", glob.glob(str(tmp_path / "*.cubin"))[0]],
-                          capture_output=True, text=True).stdout
+    sass = _sm90a_sass(tmp_path, mode, "bfloat16", "1x128", str(cluster_n), str(tile_n),
+                       "tma_store")
     assert sass.count("UTMASTG") == tile_n // 64
     assert "LDL" not in sass and "STL" not in sass, "local-memory spill"
     assert re.search(r"BAR\.SYNC\S* R\d+, 0x80", sass), "no warpgroup barrier"
