@@ -139,14 +139,6 @@ MODES = {
     "1x128noc2": ("1x128", {"tile_n": 128, "overlap_promotion": True, "cluster_n": 2}),
     # the defaults without the output's stores (wrong on purpose): what writing the output costs
     "1x128nostore": ("1x128", {"diag": "no_store", "tma_store": False}),
-    # the promotion's FFMA / FMUL scheduling bits rewritten in the cubin (`kernels.sass_patch`):
-    # "y" every instruction may yield, "y0" none may, "yh" the first half of each run may
-    "1x128y": ("1x128", {"promotion_yield": "all"}),
-    "1x128y0": ("1x128", {"promotion_yield": "none"}),
-    "1x128yh": ("1x128", {"promotion_yield": "first_half"}),
-    "1x32y": ("1x32", {"promotion_yield": "all"}),
-    "1x32y0": ("1x32", {"promotion_yield": "none"}),
-    "1x32yh": ("1x32", {"promotion_yield": "first_half"}),
 }
 DEFAULT_MODES = "1x32,32x32,1x128,1x128o"
 REPS = {"reps": 30, "rounds": 5}  # bench_us arguments (--reps, --rounds)

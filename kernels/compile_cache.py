@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import itertools
 import json
 import os
 import platform
@@ -249,13 +248,9 @@ class Entry:
     ``load(path, prefix) -> fn`` default to CuTeDSL's object-file export and loader."""
 
     def __init__(self, root: Path, name: str, text: str,
-                 dump: Callable | None = None, load: Callable | None = None,
-                 patch: Callable[[bytes], bytes] | None = None) -> None:
+                 dump: Callable | None = None, load: Callable | None = None) -> None:
         # the native (ctypes) form exists for CuTeDSL's own exporter only
         self.native = dump is None and load is None
-        # a rewrite of the exported object before it is stored (`sass_patch`): what is stored,
-        # and what every process runs, is the patched kernel
-        self.patch = patch
         self.text = text
         self.digest = hashlib.sha256(text.encode()).hexdigest()
         stem = f"{name}-{self.digest[:32]}"
@@ -284,17 +279,11 @@ class Entry:
                 return fn, "loaded"
             fn = build()
             meta = self.store(fn)
-            if meta is not None:
-                stored = None
-                if meta.get("shared") and native_enabled():
-                    # launched from here on as the next process will launch it: natively, a
-                    # few microseconds of host time where CuTeDSL's own call converts every
-                    # argument (about 100 us a launch on a slow host)
-                    stored = self._try_native(meta)
-                if stored is None and self.patch is not None:
-                    # the in-memory function is the unpatched code: run the stored object
-                    stored = self._load(self.dir / meta["object"], self.prefix)
-                fn = stored or fn
+            if meta is not None and meta.get("shared") and native_enabled():
+                # launched from here on as the next process will launch it: natively, a few
+                # microseconds of host time where CuTeDSL's own call converts every argument
+                # (about 100 us a launch on a slow host)
+                fn = self._try_native(meta) or fn
         return fn, "compiled"
 
     def try_load(self, discard: bool):
@@ -347,8 +336,6 @@ class Entry:
         (None: not stored). Failures only warn."""
         try:
             data = self._dump(fn, self.prefix)
-            if self.patch is not None:
-                data = self.patch(data)
         except Exception as e:  # noqa: BLE001  (an unexportable function stays in memory only)
             _warn_once(f"cannot export a compiled kernel ({type(e).__name__}: {e})")
             return None
@@ -465,13 +452,9 @@ class CompileCache:
         self.events: dict[Hashable, tuple[str, float]] = {}
         _CACHES.append(self)
 
-    def get(self, key: Hashable, build: Callable[[], Callable], *, persist: bool = True,
-            patch: Callable[[bytes], bytes] | None = None):
+    def get(self, key: Hashable, build: Callable[[], Callable], *, persist: bool = True):
         """The compiled function for ``key``: from memory, else from the persistent cache, else
-        ``build()`` (which is then stored there). ``persist=False``: this process only.
-        ``patch``: a rewrite of the exported object (`Entry`); with the cache off it is
-        applied through a private copy of the object, and ``persist=False`` (a debug compile,
-        e.g. one keeping its cubin) runs the kernel as compiled."""
+        ``build()`` (which is then stored there). ``persist=False``: this process only."""
         fn = self._fns.get(key)
         if fn is None:
             with self._lock:
@@ -481,11 +464,9 @@ class CompileCache:
                     hook = _progress_hook[0]
                     if hook is not None:
                         hook("start", self.name, key)
-                    disk = entry(self.name, key, patch=patch) if persist else None
+                    disk = entry(self.name, key) if persist else None
                     if disk is None:
                         fn, how = build(), "compiled"
-                        if patch is not None and persist:
-                            fn = _patched_private(fn, patch)
                     else:
                         fn, how = disk.get_or_build(build)
                     if self.cute and not isinstance(fn, native.NativeKernel):
@@ -505,23 +486,6 @@ class CompileCache:
 
     def __len__(self) -> int:
         return len(self._fns)
-
-
-_private_count = itertools.count()
-
-
-def _patched_private(fn, patch: Callable[[bytes], bytes]):
-    """``fn``'s exported object rewritten by ``patch`` and loaded from a private directory of
-    this process (the compile cache is off): natively where it links, else by CuTeDSL."""
-    tmp = Path(tempfile.mkdtemp(prefix="moe_mxfp8_patched_"))
-    prefix = f"moe_mxfp8_private_{next(_private_count)}"
-    data = patch(_dump_cutedsl(fn, prefix))
-    obj, lib = tmp / "kernel.o", tmp / "kernel.so"
-    obj.write_bytes(data)
-    facts = _native_facts(fn) if native_enabled() else {}
-    if facts and native.link_shared(data, lib):
-        return _load_native(lib, prefix, facts)
-    return _load_cutedsl(obj, prefix)
 
 
 _CACHES: list[CompileCache] = []

@@ -55,13 +55,6 @@ class GroupedGemmHost:
         """The configuration for ``problem`` (per-arch heuristics)."""
         raise NotImplementedError
 
-    @staticmethod
-    def object_patch(config):
-        """A rewrite of the compiled kernel's exported object (``bytes -> bytes``) that the
-        compile cache applies before storing it, or None (the default: the object as
-        compiled)."""
-        return None
-
     def limits(self) -> dict:
         """Divisibility needs (`problem.check_implementable`): 16-byte TMA row strides of the
         fp8 operands (K or tokens) and of the output rows (N or K), 32-element blocks."""

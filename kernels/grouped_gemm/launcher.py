@@ -93,8 +93,7 @@ def compile_config(kernel_cls, config, options: str | None = None, stream=None,
                             Int32(TILE_BYTES), Int32(1), st, **kw)
 
     key = (kernel_cls.kernel_name, config, arch or target_arch(), options)
-    return _CACHE.get(key, build, persist=not options,
-                      patch=kernel_cls.host_class().object_patch(config))
+    return _CACHE.get(key, build, persist=not options)
 
 
 @functools.cache

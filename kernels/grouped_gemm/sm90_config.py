@@ -90,11 +90,6 @@ class GroupedGemmSm90Config:
     # 1.02 / 1.21 / 1.05x at dsv3, 1.08 / 1.09 / 1.08x at mixtral, although it leaves
     # 256-column tiles 3 stages instead of 4; no change for 1x32, promotion-bound).
     tma_store: bool | None = None
-    # clear the yield bit and the reuse flags of the promotion's FFMA / FMUL runs in the
-    # compiled cubin (`kernels.sass_patch`), so the warp scheduler may switch warps at each of
-    # them: the other consumer warpgroup's wgmma issue and the producer's copies interleave
-    # with a promotion instead of waiting behind it. Scheduling only: the same results.
-    promotion_yield: str = ""
     # diagnostics for measuring the kernel's limits (results are WRONG; never dispatched):
     # "no_promote": the wgmmas accumulate straight into acc (the same pipeline without the
     # CUDA-core promotion); "no_scale_wait": scale warps idle, consumers do not wait for them;
@@ -181,16 +176,6 @@ class GroupedGemmSm90Host(GroupedGemmHost):
                                                  cfg.tile_n):
             cfg = dataclasses.replace(cfg, cluster_n=1)
         return cfg
-
-    @staticmethod
-    def object_patch(config):
-        if not config.promotion_yield:
-            return None
-        import functools
-
-        from ..sass_patch import patched_object
-
-        return functools.partial(patched_object, policy=config.promotion_yield)
 
     def can_implement(self, problem: GroupedProblem) -> tuple[bool, str]:
         if problem.scale_blocks != self.cfg.scale_blocks:
