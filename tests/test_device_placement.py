@@ -95,6 +95,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", fake.capability)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.current)
     monkeypatch.setattr(torch.cuda, "current_stream", fake.stream)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream",
+                        lambda index: fake.stream(index).cuda_stream, raising=False)
     monkeypatch.setattr(torch.cuda, "device", fake.device)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: SimpleNamespace(multi_processor_count=132, uuid=f"GPU-{i}"))
