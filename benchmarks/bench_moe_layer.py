@@ -15,7 +15,8 @@ by phase from the torch profiler's CUDA kernels, with the time outside the exper
 for bit equal (output, input and parameter gradients). ``--host-time``: the host time of one
 forward+backward per layer, launched while the GPU is kept busy ahead of it (`host_time`), so
 the number is the CPU's alone; ``--host-profile N`` adds the top N functions of a cProfile of
-those launches. ``--cache-weights 0,1`` measures the MXFP8 layers without and with
+those launches, ``--host-parts`` the host time inside the launch entry points
+(`launch_parts`). ``--cache-weights 0,1`` measures the MXFP8 layers without and with
 ``cache_weights=True``; ``--accumulate N`` makes a step N micro-batches (gradient accumulation)
 after an optimizer-step boundary (the weight cache is dropped at its start, as an optimizer step
 drops it). ``--quantizer-stages none``: the data path's quantized stages on the Triton kernels
@@ -181,7 +182,66 @@ def bitwise_twice(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> 
                for a, b in zip(*runs, strict=True))
 
 
-def host_time(step, reps: int = 7, profile_top: int = 0, count_ops: bool = False) -> dict:
+# The launch entry points `launch_parts` times inside a step: (owner, attribute, part).
+def _entry_points() -> list[tuple[object, str, str]]:
+    from moe_mxfp8.kernels.native import NativeKernel
+
+    points: list[tuple[object, str, str]] = [
+        (NativeKernel, "__call__", "CuTeDSL launches (native)"),
+        (torch, "mm", "torch.mm"),
+        (torch, "_grouped_mm", "torch._grouped_mm"),
+    ]
+    try:
+        from triton.runtime.jit import JITFunction
+
+        points.append((JITFunction, "run", "Triton launches"))
+    except ImportError:  # a CPU install without Triton launches none
+        pass
+    points += [(torch, n, "allocations") for n in ("empty", "empty_like", "zeros")]
+    points += [(torch.Tensor, n, "allocations") for n in ("new_empty", "new_zeros", "new_full")]
+    return points
+
+
+class launch_parts:
+    """While entered, the host time spent inside each launch entry point (`_entry_points`:
+    CuTeDSL and Triton launches, the GEMMs torch launches itself, output allocations), summed
+    per part: inclusive, a call inside another timed call counted once (in the outer)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._saved: list[tuple[object, str, object]] = []
+        self._depth = 0
+
+    def _timed(self, fn, part: str):
+        def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - t0
+                self.calls[part] += 1
+                self._depth -= 1
+        return timed
+
+    def __enter__(self):
+        for owner, name, part in _entry_points():
+            fn = getattr(owner, name)
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, self._timed(fn, part))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()
+
+
+def host_time(step, reps: int = 7, profile_top: int = 0, count_ops: bool = False,
+              parts: bool = False) -> dict:
     """Host time of one ``step()`` while the GPU is busy ahead of it: a long GPU sleep is
     queued first, so no launch waits for the GPU and the time is the CPU's (Python, torch
     dispatch, custom ops, Triton's and the ctypes launchers, the driver's launch calls).
@@ -191,7 +251,11 @@ def host_time(step, reps: int = 7, profile_top: int = 0, count_ops: bool = False
     returned (else the sleep was too short and a launch may have waited). ``profile_top``:
     also a cProfile of the launches (backward in the calling thread for it), top functions
     by own time and by cumulative time. ``count_ops``: also the torch ops one step dispatches
-    (``ops`` total, ``op_counts`` by name), each a kernel launch, an allocation or a view."""
+    (``ops`` total, ``op_counts`` by name), each a kernel launch, an allocation or a view.
+    ``parts``: also where the host time of a step goes (`launch_parts`; backward in the
+    calling thread, ``reps`` steps): ``parts_ms`` per part (calls and ms per step), and
+    ``parts_step_ms``, the timed steps' mean wall time, whose remainder is Python, autograd and
+    the other torch ops."""
     step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -225,6 +289,22 @@ def host_time(step, reps: int = 7, profile_top: int = 0, count_ops: bool = False
         for order in ("tottime", "cumulative"):
             pstats.Stats(prof, stream=out).sort_stats(order).print_stats(profile_top)
         res["profile"] = out.getvalue()
+    if parts:
+        with torch.autograd.set_multithreading_enabled(False), launch_parts() as timers:
+            step()  # the wrappers' own first calls
+            torch.cuda.synchronize()
+            timers.seconds.clear()
+            timers.calls.clear()
+            total = 0.0
+            for _ in range(reps):
+                torch.cuda._sleep(cycles)
+                t0 = time.perf_counter()
+                step()
+                total += time.perf_counter() - t0
+                torch.cuda.synchronize()
+        res["parts_step_ms"] = total / reps * 1e3
+        res["parts_ms"] = {k: {"calls": timers.calls[k] / reps, "ms": v / reps * 1e3}
+                           for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1])}
     if count_ops:
         counter = _OpCounter()
         with torch.autograd.set_multithreading_enabled(False), counter.mode:
@@ -415,7 +495,7 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
                 res[name + "_deterministic"] = bitwise_twice(m, xs.next(), dy)
             if backward and args.host_time:
                 res[name + "_host"] = host_time(step, profile_top=args.host_profile,
-                                                count_ops=args.host_ops)
+                                                count_ops=args.host_ops, parts=args.host_parts)
                 h = res[name + "_host"]
                 print(f"  host {shape.name} {name}: {h['wall_ms']:.2f} ms wall, {h['cpu_ms']:.2f} "
                       f"ms CPU per step of {args.accumulate} fwd+bwd (GPU busy throughout: "
@@ -423,6 +503,12 @@ def run_shape(shape: LayerShape, skew: float, args) -> list[dict]:
                 if "ops" in h:
                     top = ", ".join(f"{k} {v}" for k, v in list(h["op_counts"].items())[:40])
                     print(f"    {h['ops']} torch ops per step: {top}", flush=True)
+                if "parts_ms" in h:
+                    rest = h["parts_step_ms"] - sum(v["ms"] for v in h["parts_ms"].values())
+                    top = ", ".join(f"{k} {v['ms']:.2f} ({v['calls']:.0f} calls)"
+                                    for k, v in h["parts_ms"].items())
+                    print(f"    host ms per step by part: {top}; the rest {rest:.2f} of "
+                          f"{h['parts_step_ms']:.2f}", flush=True)
                 if "profile" in h:
                     print(h.pop("profile"))
         flops = shape.gemm_flops(backward)
@@ -516,6 +602,8 @@ def main() -> None:
                     help="host time per fwd+bwd step, launched while the GPU is busy")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="with --host-time: the top N functions of a cProfile of the launches")
+    ap.add_argument("--host-parts", action="store_true",
+                    help="with --host-time: host ms per step in launches, allocations and GEMMs")
     ap.add_argument("--determinism", action="store_true",
                     help="with fwd+bwd: whether two steps on the same input are bitwise equal")
     ap.add_argument("--host-ops", action="store_true",

@@ -50,3 +50,23 @@ def test_bitwise_twice_passes_the_layer_and_flags_noise(gen):
     x, dy = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
     assert not B.bitwise_twice(_Noisy("out"), x, dy)
     assert not B.bitwise_twice(_Noisy("grad"), x, dy)
+
+
+def test_launch_parts_times_the_entry_points_and_restores_them():
+    """`launch_parts` counts and times the calls of each launch entry point by part, and puts
+    every entry point back."""
+    from moe_mxfp8.kernels.native import NativeKernel
+
+    before = (torch.empty, torch.mm, torch.Tensor.new_empty, NativeKernel.__call__)
+    a = torch.ones(4, 4)
+    with B.launch_parts() as parts:
+        torch.empty(3)
+        a.new_empty(2)
+        torch.zeros(5)
+        torch.mm(a, a)
+        torch.mm(a, a)
+        torch.ones(2)  # not an entry point
+    assert (torch.empty, torch.mm, torch.Tensor.new_empty, NativeKernel.__call__) == before
+    assert parts.calls["allocations"] == 3
+    assert parts.calls["torch.mm"] == 2
+    assert parts.seconds["torch.mm"] > 0 and parts.seconds["allocations"] > 0

@@ -2,9 +2,10 @@
 # One device call (at most 10 minutes on an H100): the layer's host time per forward+backward,
 # launched while the GPU is busy, at a small (E 64, T 4096, D 1024, H 512, top-4) and a large
 # shape (mixtral), both recipes and the BF16 twin: eager in a process that loads the kernels
-# the first process compiled (their native launch), with the torch ops each step dispatches and
-# a cProfile; then the same under torch.compile(mode="reduce-overhead") (CUDA-graph replays);
-# then the GPU tests of the CUDA-graph path and of the quantizer kernels.
+# the first process compiled (their native launch), with the torch ops each step dispatches, a
+# cProfile and the host time inside its launches and allocations (--host-parts); then the same
+# under torch.compile(mode="reduce-overhead") (CUDA-graph replays); then the GPU tests of the
+# CUDA-graph path and of the quantizer kernels.
 #   run  carry=[".devsite", ".pyt"]  command: bash tools/gpu_host_time.sh
 set -uo pipefail
 source tools/device_prelude.sh name,driver_version
@@ -15,7 +16,7 @@ echo "== compile the kernels (first process) (${SECONDS}s)"
 timeout 150 "${LAYER[@]}" 2>&1 | quiet > "$OUT/warm.txt"
 echo "rc=$? (${SECONDS}s)"; grep -E "^ +(small|mixtral)" "$OUT/warm.txt"
 echo "== host time, eager, a second process (${SECONDS}s)"
-timeout 120 "${LAYER[@]}" --host-time --host-ops --host-profile 25 \
+timeout 150 "${LAYER[@]}" --host-time --host-ops --host-parts --host-profile 25 \
   --json "$OUT/host_eager.json" 2>&1 | quiet > "$OUT/host_eager.txt"
 echo "rc=$? (${SECONDS}s)"; grep -E "^  host |torch ops per step|^ +(small|mixtral) " \
   "$OUT/host_eager.txt" | cut -c1-400
