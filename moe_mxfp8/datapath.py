@@ -6,14 +6,16 @@ The expert block, `routed_experts`: dispatch (`moe_mxfp8.stages`, on the layout 
 unit, serving `MXFP8MoE` and `MXFP8GroupedExperts` alike.
 
 Autograd. FP8 tensors cannot carry gradients, so the autograd boundary is the whole routed-
-expert block, `routed_experts` (custom ops ``moe_mxfp8::routed_experts_fwd`` / ``_bwd`` with
+expert block, `routed_experts` (custom ops ``moe_mxfp8::routed_experts_fwd`` / ``_bwd_*`` with
 fake implementations, so ``torch.compile(fullgraph=True)`` traces it; no host syncs, every size
 static, so it is CUDA-graph capturable). It saves for backward only what backward reads: the
 FP8 columnwise copies of the dispatched ``x`` and of ``a`` (wgrad operands), ``h`` (BF16, for
 the SwiGLU backward) and ``y`` (BF16, for the routing-weight gradient); with BF16 weight
 gradients (``wgrad="bf16"`` or the BF16 twin) BF16 copies of ``x`` and ``a`` instead. The expert
-weights are quantized along each axis the GEMMs need (along K in forward, along N in backward),
-or come quantized already (``weights_q``: `moe_mxfp8.weight_cache`, once per optimizer step).
+weights are quantized along each axis the GEMMs need (along K in forward, along N in backward;
+down's N-axis copy in forward, from the same read), or come quantized already (``weights_q``:
+`moe_mxfp8.weight_cache`, once per optimizer step). Backward runs as four operators that free,
+between them, what only an earlier one read (see "Backward runs in four operators" below).
 The expert GEMMs are `moe_mxfp8.grouped_gemm.grouped_mm_m` / ``grouped_mm_k`` (MXFP8) or
 ``torch._grouped_mm`` (BF16 twin).
 """
@@ -36,7 +38,7 @@ from .grouped_gemm import grouped_mm_k, grouped_mm_m
 from .kernels.mx_format import ACT_BLOCK, WEIGHT_BLOCK_ROWS
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
-from .quantize import quantize_weights
+from .quantize import quantize_weights, quantize_weights_dual
 from .routing import check_layout, numel_of, step_layout
 
 BF16 = torch.bfloat16
@@ -108,8 +110,9 @@ def _weights_q(w: Tensor, axis: str, scale_blocks: str, backend: str,
 # and the quantizer's tile ends (`routing.row_tables`), built once by `routed_experts` for both
 # passes (else each pass builds them: some 30 small device ops each; the SwiGLU stages on the
 # quantizer read the tile ends); ``gu_k ... dn_n_scale``: `routed_experts`' ``weights_q`` as
-# uint8 data and scales, gate_up (gu) and down (dn) along K (forward) and along N (kept for
-# backward).
+# uint8 data and scales, gate_up (gu) and down (dn) along K (forward) and along N (backward).
+# ``keep_down_n``: quantize ``w_down`` along both axes from its one read in forward and return
+# the N-axis copy for backward (`_forward_weights`, `_keep_down_n`).
 
 
 @define_op("moe_mxfp8::routed_experts_fwd")
@@ -121,15 +124,19 @@ def _routed_experts_fwd(
     dn_k: Tensor | None = None, dn_k_scale: Tensor | None = None,
     gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
     dn_n: Tensor | None = None, dn_n_scale: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(out (T, D) bf16, sx, sx_scale, h, sa, sa_scale, y)``: the saved tensors (empty
-    unless ``save``): wgrad operands of x and a (FP8 bytes + scales, or BF16 as int16), h and y
-    (BF16 as int16). The optional inputs: see above (the N-axis weights are for backward)."""
+    keep_down_n: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(out (T, D) bf16, sx, sx_scale, h, sa, sa_scale, y, dn_n, dn_n_scale)``: the
+    saved tensors (empty unless ``save``): wgrad operands of x and a (FP8 bytes + scales, or
+    BF16 as int16), h and y (BF16 as int16), and ``w_down`` along N (uint8 bytes + packed
+    scales; empty unless ``keep_down_n`` and the weight was quantized here). The optional
+    inputs: see above."""
     mx, qcol, keep = _modes(precision, wgrad, save)
     top_k = rows.shape[1]
     sb = _row_recipe(mx, scale_blocks)
     if table is None:  # called on its own: this pass builds the step's tables
         table, tile_ends = _step_tables(x, offs, src.numel(), sb, backend)
+    dn_n_kept = None
     if mx:
         # MXFP8: groups start on multiples of 16 rows (the contract of this op, see
         # `routed_experts`; the wgrad GEMMs rely on it too)
@@ -142,9 +149,10 @@ def _routed_experts_fwd(
         ar, ac, ab = ST.swiglu(h, src, offs, qrow=True, qcol=qcol, keep_bf16=keep, scale_blocks=sb,
                             aligned_groups=True, table=table, tile_ends=tile_ends,
                             backend=backend)
-        y = grouped_mm_m(ar, _weights_q(w_down, "K", sb, backend, dn_k, dn_k_scale), offs,
-                         out_dtype=BF16, backend=backend)
-        del ar
+        w, dn_n_kept = _forward_weights(w_down, sb, backend, dn_k, dn_k_scale,
+                                        keep_down_n and dn_n is None)
+        y = grouped_mm_m(ar, w, offs, out_dtype=BF16, backend=backend)
+        del ar, w
     else:
         _, _, xb = ST.dispatch(x, src, offs, top_k, qrow=False, qcol=False, keep_bf16=True,
                             table=table, backend=backend)
@@ -154,27 +162,51 @@ def _routed_experts_fwd(
         y = torch._grouped_mm(ab, w_down.transpose(-2, -1), offs=offs)
         xc = ac = None
     out = ST.combine(y, rows, weights, backend=backend)
+    kept = _u8(dn_n_kept, x)
     if not save:
         e8 = _empty(x, torch.uint8)
         e16 = _empty(x, torch.int16)
-        return out, e8, e8.clone(), e16, e8.clone(), e8.clone(), e16.clone()
+        return out, e8, e8.clone(), e16, e8.clone(), e8.clone(), e16.clone(), *kept
     sx, sxs = _u8(xc, x) if qcol else (_i16(xb, x), _empty(x, torch.uint8))
     sa, sas = _u8(ac, x) if qcol else (_i16(ab, x), _empty(x, torch.uint8))
-    return out, sx, sxs, _i16(h, x), sa, sas, _i16(y, x)
+    return out, sx, sxs, _i16(h, x), sa, sas, _i16(y, x), *kept
+
+
+def _forward_weights(w: Tensor, scale_blocks: str, backend: str, data: Tensor | None,
+                     scale: Tensor | None, keep_n: bool
+                     ) -> tuple[MXFP8Tensor, MXFP8Tensor | None]:
+    """Expert weights ``w`` along K for a forward GEMM (``data``/``scale`` given: those) and,
+    with ``keep_n``, along N for backward's GEMM, both from one read of the BF16 weights
+    (`quantize_weights_dual`: 4.06 bytes a parameter, against 3.03 in forward and 3.03 again
+    in backward; the same bytes). Backward frees the N-axis copy once its GEMM has run
+    (`_backward`)."""
+    if not keep_n or data is not None:
+        return _weights_q(w, "K", scale_blocks, backend, data, scale), None
+    along_k, along_n = quantize_weights_dual(w.contiguous(),
+                                             block_rows=WEIGHT_BLOCK_ROWS[scale_blocks],
+                                             backend=backend)
+    return along_k, along_n
 
 
 @_routed_experts_fwd.register_fake
 def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, precision, backend,
                              wgrad, scale_blocks, save, table=None, tile_ends=None, gu_k=None,
                              gu_k_scale=None, dn_k=None, dn_k_scale=None, gu_n=None,
-                             gu_n_scale=None, dn_n=None, dn_n_scale=None):
+                             gu_n_scale=None, dn_n=None, dn_n_scale=None,
+                             keep_down_n=False):
     t, d = x.shape
     e, h2, _ = w_gate_up.shape
     m = src.numel()
     out = x.new_empty(t, d, dtype=BF16)
     e8, e16 = _empty(x, torch.uint8), _empty(x, torch.int16)
+
+    kept = (e8.clone(), e8.clone())  # `_forward_weights`' N-axis copy (E, H, D), its scales
+    if keep_down_n and precision == "mxfp8" and dn_k is None and dn_n is None:
+        ne, n, k = w_down.shape
+        kept = (x.new_empty(ne, k, n, dtype=torch.uint8),
+                x.new_empty(ne * L.expert_scale_stride(k, n // L.BLOCK_SIZE), dtype=torch.uint8))
     if not save:
-        return out, e8, e8.clone(), e16, e8.clone(), e8.clone(), e16.clone()
+        return out, e8, e8.clone(), e16, e8.clone(), e8.clone(), e16.clone(), *kept
     _, qcol, _ = _modes(precision, wgrad, save)
     if qcol:
         sx = x.new_empty(d, m, dtype=torch.uint8)
@@ -185,7 +217,7 @@ def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, pre
         sx, sxs = x.new_empty(m, d, dtype=torch.int16), e8.clone()
         sa, sas = x.new_empty(m, h2 // 2, dtype=torch.int16), e8.clone()
     return out, sx, sxs, x.new_empty(m, h2, dtype=torch.int16), sa, sas, x.new_empty(
-        m, d, dtype=torch.int16)
+        m, d, dtype=torch.int16), *kept
 
 
 def _weight_grad(dyc: MXFP8Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tensor, offs: Tensor,
@@ -199,131 +231,254 @@ def _weight_grad(dyc: MXFP8Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tens
     return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)
 
 
-@define_op("moe_mxfp8::routed_experts_bwd")
-def _routed_experts_bwd(
-    dout: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
-    offs: Tensor, sx: Tensor, sx_scale: Tensor, h: Tensor, sa: Tensor, sa_scale: Tensor,
-    y: Tensor, precision: str, backend: str, wgrad: str, scale_blocks: str, need_dx: bool,
-    need_dw: bool, need_dweights: bool, table: Tensor | None = None,
-    tile_ends: Tensor | None = None, gu_n: Tensor | None = None, gu_n_scale: Tensor | None = None,
+# Backward runs in four operators, so that what only one phase reads is freed before the next
+# (`_backward` drops the saved tensors once read; measured: the weight gradients were the step's
+# memory peak at Qwen3-30B-A3B shapes, with h and y still alive):
+#   1. `routed_experts_bwd_down`: the combine backward (dY, the routing-weight gradient; reads
+#      y), the down projection's dgrad (dA; reads its N-axis weights) and its weight gradient
+#      unless it waits for the last phase;
+#   2. `routed_experts_bwd_swiglu`: the SwiGLU backward (dH; reads h and dA);
+#   3. `routed_experts_bwd_dx`: the gate/up dgrad and the dispatch backward (dX; reads the
+#      gate/up N-axis weights);
+#   4. `routed_experts_bwd_dw`: the weight gradients (dW; reads the saved wgrad operands).
+# Between phases the tensors cross as BF16, uint8 FP8 bytes + scales or int16 BF16 bits.
+
+
+U8, F32 = torch.uint8, torch.float32
+
+
+def _made(t: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A phase's output ``t``, or where the configuration did not make it (None) an empty
+    tensor of its dtype (made only then: every empty tensor is an op of host time)."""
+    return _empty(like, dtype) if t is None else t
+
+
+def _fp8_or_bf16(q: MXFP8Tensor | None, b: Tensor | None, like: Tensor
+                 ) -> tuple[Tensor, Tensor | None]:
+    """A phase's MXFP8 operand as (uint8 bytes, scales), else a BF16 one as (int16 bits, None:
+    no scales)."""
+    if q is not None:
+        return _u8(q, like)
+    return _i16(b, like), None
+
+
+def _colwise(data: Tensor, scale: Tensor, offs: Tensor) -> tuple[MXFP8Tensor | None,
+                                                                  Tensor | None]:
+    """`_fp8_or_bf16`'s pair back: (columnwise MXFP8 operand, None) or (None, BF16 tensor)."""
+    if data.dtype == torch.uint8:
+        return MXFP8Tensor(data.view(FP8), scale, "packed", offs, "k"), None
+    return None, data.view(BF16)
+
+
+def late_down_wgrad(m: int, d: int, e: int, hh: int, fp8_operand: bool) -> bool:
+    """Whether the down projection's weight gradient waits for the last phase (after the gate/up
+    GEMMs) rather than running in phase 1: whichever keeps fewer bytes alive through the phases
+    between, its result (E, D, H) BF16 or its dY operand (M, D) (FP8 columnwise, or BF16).
+    Static sizes: at mixtral the operand is 7x smaller, at dsv3 4x larger. Every GEMM is the
+    same either way (deterministic)."""
+    return m * d * (1 if fp8_operand else 2) < e * d * hh * 2
+
+
+@define_op("moe_mxfp8::routed_experts_bwd_down")
+def _bwd_down(
+    dout: Tensor, y: Tensor, w_down: Tensor, weights: Tensor, rows: Tensor, src: Tensor,
+    offs: Tensor, sa: Tensor, sa_scale: Tensor, precision: str, backend: str, wgrad: str,
+    scale_blocks: str, need_chain: bool, need_dw: bool, need_dweights: bool, late: bool,
+    table: Tensor | None = None, tile_ends: Tensor | None = None,
     dn_n: Tensor | None = None, dn_n_scale: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(dx (T, D), dw_gate_up (E, 2H, D), dw_down (E, D, H), dweights (T, k) fp32)``;
-    an unneeded one is empty. The optional inputs: the step's tables and the forward's N-axis
-    weights (see `_routed_experts_fwd`)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Phase 1. Returns ``(da, dy_w, dy_w_scale, dw_down, dweights)``: dA (M, H) bf16 for the
+    SwiGLU backward (``need_chain``: dX or dW wanted), dY for the down weight gradient of the
+    last phase (``late``: columnwise FP8, or BF16 bits), the down weight gradient (unless
+    ``late``) and the routing-weight gradient (fp32); unneeded ones empty."""
     mx, qcol, _ = _modes(precision, wgrad, True)
     keep = need_dw and not qcol
     qcol = need_dw and qcol
-    h = h.view(BF16)
-    y = y.view(BF16)
+    da = dwdn = dy_w = dy_w_scale = None  # made as needed (`_made`)
     dout = dout.to(BF16).contiguous()
-    dx = dwgu = dwdn = None  # as computed; `_results` returns the unneeded ones empty
-    chain = need_dx or need_dw
     sb = _row_recipe(mx, scale_blocks)
     if table is None:  # called on its own: this pass builds the step's tables
         table, tile_ends = _step_tables(dout, offs, src.numel(), sb, backend)
     dyr, dyc, dyb, dwts = ST.combine_backward(
-        dout, y, src, rows, weights, offs, qrow=mx and chain, qcol=qcol,
-        keep_bf16=(not mx and chain) or keep, need_dw=need_dweights, scale_blocks=sb,
+        dout, y.view(BF16), src, rows, weights, offs, qrow=mx and need_chain, qcol=qcol,
+        keep_bf16=(not mx and need_chain) or keep, need_dw=need_dweights, scale_blocks=sb,
         aligned_groups=mx, table=table, tile_ends=tile_ends, backend=backend)
-    if not chain:
-        return _results(dout, dx, dwgu, dwdn, dwts)
-    # The down projection's weight gradient right away, or after the gate/up GEMMs: whichever
-    # keeps fewer bytes alive through them, its result (E, D, H) BF16 or its dY operand (M, D)
-    # (FP8 columnwise, or BF16). Static sizes: at mixtral the operand is 7x smaller, at dsv3 4x
-    # larger. Every GEMM is the same either way (deterministic).
-    e, d, hh = w_down.shape
-    late = need_dw and src.numel() * d * (1 if mx and qcol else 2) < e * d * hh * 2
+    if not need_chain:
+        return (_made(da, dout, BF16), _made(dy_w, dout, U8), _made(dy_w_scale, dout, U8),
+                _made(dwdn, dout, BF16), _made(dwts, dout, F32))
     if mx:
         da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend, dn_n, dn_n_scale), offs,
                           out_dtype=BF16, backend=backend)
-        del dyr
-        if not late:
-            if need_dw:
-                dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, sb, backend)
-            del dyc, dyb
-        dhr, dhc, dhb = ST.swiglu_backward(da, h, src, offs, qrow=need_dx, qcol=qcol,
-                                        keep_bf16=keep, scale_blocks=sb, aligned_groups=True,
-                                        table=table, tile_ends=tile_ends, backend=backend)
-        del da
-        # dgrad before wgrad: dx is small, and its temporaries (the N-axis weights, the sorted
-        # dX rows, dh's rowwise copy) are freed before the (E, 2H, D) weight gradient exists
-        if need_dx:
-            dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend, gu_n, gu_n_scale),
-                               offs, out_dtype=BF16, backend=backend)
-            dx = ST.dispatch_backward(dxs, rows, backend=backend)
-            del dxs
-        del dhr
-        if need_dw:
-            dwgu = _weight_grad(dhc, dhb, sx, sx_scale, offs, qcol, sb, backend)
-            del dhc, dhb
-        if late:
-            dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, sb, backend)
     else:
         da = torch._grouped_mm(dyb, w_down, offs=offs)
-        if not late:
-            if need_dw:
-                dwdn = torch._grouped_mm(dyb.t(), sa.view(BF16), offs=offs)
-            del dyb
-        _, _, dh = ST.swiglu_backward(da, h, src, offs, qrow=False, qcol=False, keep_bf16=True,
-                                   table=table, backend=backend)
-        del da
-        if need_dx:  # dgrad before wgrad, as above
-            dxs = torch._grouped_mm(dh, w_gate_up, offs=offs)
-            dx = ST.dispatch_backward(dxs, rows, backend=backend)
-            del dxs
-        if need_dw:
-            dwgu = torch._grouped_mm(dh.t(), sx.view(BF16), offs=offs)
-            del dh
-        if late:
-            dwdn = torch._grouped_mm(dyb.t(), sa.view(BF16), offs=offs)
-    return _results(dout, dx, dwgu, dwdn, dwts)
+    if need_dw and not late:
+        dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, sb, backend)
+    elif need_dw:
+        dy_w, dy_w_scale = _fp8_or_bf16(dyc, dyb, dout)
+    return (_made(da, dout, BF16), _made(dy_w, dout, U8), _made(dy_w_scale, dout, U8),
+            _made(dwdn, dout, BF16), _made(dwts, dout, F32))
 
 
-def _results(like: Tensor, dx, dwgu, dwdn, dwts) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`_routed_experts_bwd`'s results, an unneeded one (None) as an empty tensor."""
-    def given(g: Tensor | None, dtype: torch.dtype) -> Tensor:
-        return _empty(like, dtype) if g is None else g
-
-    return given(dx, BF16), given(dwgu, BF16), given(dwdn, BF16), given(dwts, torch.float32)
-
-
-@_routed_experts_bwd.register_fake
-def _routed_experts_bwd_fake(dout, w_gate_up, w_down, weights, rows, src, offs, sx, sx_scale, h,
-                             sa, sa_scale, y, precision, backend, wgrad, scale_blocks, need_dx,
-                             need_dw, need_dweights, table=None, tile_ends=None, gu_n=None,
-                             gu_n_scale=None, dn_n=None, dn_n_scale=None):
+@_bwd_down.register_fake
+def _bwd_down_fake(dout, y, w_down, weights, rows, src, offs, sa, sa_scale, precision, backend,
+                   wgrad, scale_blocks, need_chain, need_dw, need_dweights, late, table=None,
+                   tile_ends=None, dn_n=None, dn_n_scale=None):
+    _, qcol, _ = _modes(precision, wgrad, True)
+    qcol = need_dw and qcol
+    m = src.numel()
+    e, d, hh = w_down.shape
     t, k = rows.shape
-    dx = dout.new_empty(t, dout.shape[1], dtype=BF16) if need_dx else _empty(dout, BF16)
-    dwgu = w_gate_up.new_empty(w_gate_up.shape, dtype=BF16) if need_dw else _empty(dout, BF16)
-    dwdn = w_down.new_empty(w_down.shape, dtype=BF16) if need_dw else _empty(dout, BF16)
-    dwts = (dout.new_empty(t, k, dtype=torch.float32) if need_dweights
-            else _empty(dout, torch.float32))
-    return dx, dwgu, dwdn, dwts
+    da, dwdn = _empty(dout, BF16), _empty(dout, BF16)
+    dy_w = (_empty(dout, torch.uint8), _empty(dout, torch.uint8))
+    dwts = dout.new_empty(t, k, dtype=torch.float32) if need_dweights else _empty(
+        dout, torch.float32)
+    if not need_chain:
+        return da, *dy_w, dwdn, dwts
+    da = dout.new_empty(m, hh, dtype=BF16)
+    if need_dw and not late:
+        dwdn = dout.new_empty(e, d, hh, dtype=BF16)
+    elif need_dw:
+        dy_w = ((dout.new_empty(d, m, dtype=torch.uint8),
+                 dout.new_empty(L.grouped_k_scale_bytes(d, m, e), dtype=torch.uint8)) if qcol
+                else (dout.new_empty(m, d, dtype=torch.int16), _empty(dout, torch.uint8)))
+    return da, *dy_w, dwdn, dwts
+
+
+@define_op("moe_mxfp8::routed_experts_bwd_swiglu")
+def _bwd_swiglu(
+    da: Tensor, h: Tensor, src: Tensor, offs: Tensor, precision: str, backend: str, wgrad: str,
+    scale_blocks: str, need_dx: bool, need_dw: bool, table: Tensor | None = None,
+    tile_ends: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Phase 2. Returns ``(dh_rows, dh_rows_scale, dh_w, dh_w_scale)``: dH (M, 2H) for the
+    gate/up dgrad (rowwise FP8; the twin: BF16 bits) and for its weight gradient (columnwise
+    FP8, or BF16 bits; empty for the twin, whose ``dh_rows`` serves both); unneeded ones
+    empty."""
+    mx, qcol, _ = _modes(precision, wgrad, True)
+    keep = need_dw and not qcol
+    qcol = need_dw and qcol
+    dh_rows = dh_rows_scale = dh_w = dh_w_scale = None  # made as needed (`_made`)
+    sb = _row_recipe(mx, scale_blocks)
+    if table is None:
+        table, tile_ends = _step_tables(da, offs, src.numel(), sb, backend)
+    if mx:
+        dhr, dhc, dhb = ST.swiglu_backward(da, h.view(BF16), src, offs, qrow=need_dx, qcol=qcol,
+                                        keep_bf16=keep, scale_blocks=sb, aligned_groups=True,
+                                        table=table, tile_ends=tile_ends, backend=backend)
+        if need_dx:
+            dh_rows, dh_rows_scale = _u8(dhr, da)
+        if need_dw:
+            dh_w, dh_w_scale = _fp8_or_bf16(dhc, dhb, da)
+    else:
+        _, _, dh = ST.swiglu_backward(da, h.view(BF16), src, offs, qrow=False, qcol=False,
+                                      keep_bf16=True, table=table, backend=backend)
+        dh_rows = _i16(dh, da)
+    return (_made(dh_rows, da, U8), _made(dh_rows_scale, da, U8), _made(dh_w, da, U8),
+            _made(dh_w_scale, da, U8))
+
+
+@_bwd_swiglu.register_fake
+def _bwd_swiglu_fake(da, h, src, offs, precision, backend, wgrad, scale_blocks, need_dx,
+                     need_dw, table=None, tile_ends=None):
+    mx, qcol, _ = _modes(precision, wgrad, True)
+    qcol = need_dw and qcol
+    m, h2 = h.shape
+    e = offs.numel()
+    dh_rows = (_empty(da, torch.uint8), _empty(da, torch.uint8))
+    dh_w = (_empty(da, torch.uint8), _empty(da, torch.uint8))
+    if not mx:
+        return da.new_empty(m, h2, dtype=torch.int16), dh_rows[1], *dh_w
+    if need_dx:
+        dh_rows = (da.new_empty(m, h2, dtype=torch.uint8),
+                   da.new_empty(L.grouped_rows_scale_bytes(m, h2 // L.BLOCK_SIZE, e),
+                                dtype=torch.uint8))
+    if need_dw:
+        dh_w = ((da.new_empty(h2, m, dtype=torch.uint8),
+                 da.new_empty(L.grouped_k_scale_bytes(h2, m, e), dtype=torch.uint8)) if qcol
+                else (da.new_empty(m, h2, dtype=torch.int16), dh_w[1]))
+    return *dh_rows, *dh_w
+
+
+@define_op("moe_mxfp8::routed_experts_bwd_dx")
+def _bwd_dx(
+    dh_rows: Tensor, dh_rows_scale: Tensor, w_gate_up: Tensor, rows: Tensor, offs: Tensor,
+    precision: str, backend: str, scale_blocks: str, gu_n: Tensor | None = None,
+    gu_n_scale: Tensor | None = None,
+) -> Tensor:
+    """Phase 3. ``dx (T, D)`` bf16: the gate/up dgrad of dH's rows (phase 2's ``dh_rows``) and
+    the dispatch backward (each token's k rows summed)."""
+    if precision == "mxfp8":
+        sb = _row_recipe(True, scale_blocks)
+        dhr = MXFP8Tensor(dh_rows.view(FP8), dh_rows_scale, "packed", offs, "rows")
+        dxs = grouped_mm_m(dhr, _weights_q(w_gate_up, "N", sb, backend, gu_n, gu_n_scale), offs,
+                           out_dtype=BF16, backend=backend)
+    else:
+        dxs = torch._grouped_mm(dh_rows.view(BF16), w_gate_up, offs=offs)
+    return ST.dispatch_backward(dxs, rows, backend=backend)
+
+
+@_bwd_dx.register_fake
+def _bwd_dx_fake(dh_rows, dh_rows_scale, w_gate_up, rows, offs, precision, backend,
+                 scale_blocks, gu_n=None, gu_n_scale=None):
+    return dh_rows.new_empty(rows.shape[0], w_gate_up.shape[-1], dtype=BF16)
+
+
+@define_op("moe_mxfp8::routed_experts_bwd_dw")
+def _bwd_dw(
+    dh_w: Tensor, dh_w_scale: Tensor, sx: Tensor, sx_scale: Tensor, dy_w: Tensor,
+    dy_w_scale: Tensor, sa: Tensor, sa_scale: Tensor, offs: Tensor, precision: str,
+    backend: str, wgrad: str, scale_blocks: str, late: bool,
+) -> tuple[Tensor, Tensor]:
+    """Phase 4. ``(dw_gate_up (E, 2H, D), dw_down (E, D, H) or empty unless ``late``)`` bf16:
+    ``dH^T x`` per group (phase 2's ``dh_w``; the twin's ``dh_rows``) and, ``late``, ``dY^T a``
+    (phase 1's ``dy_w``)."""
+    mx, qcol, _ = _modes(precision, wgrad, True)
+    sb = _row_recipe(mx, scale_blocks)
+    dhc, dhb = _colwise(dh_w, dh_w_scale, offs)
+    dwgu = _weight_grad(dhc, dhb, sx, sx_scale, offs, qcol, sb, backend)
+    dwdn = _empty(dh_w, BF16)
+    if late:
+        dyc, dyb = _colwise(dy_w, dy_w_scale, offs)
+        dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, sb, backend)
+    return dwgu, dwdn
+
+
+@_bwd_dw.register_fake
+def _bwd_dw_fake(dh_w, dh_w_scale, sx, sx_scale, dy_w, dy_w_scale, sa, sa_scale, offs,
+                 precision, backend, wgrad, scale_blocks, late):
+    _, qcol, _ = _modes(precision, wgrad, True)
+    e = offs.numel()
+    h2 = dh_w.shape[0] if qcol else dh_w.shape[1]
+    d = sx.shape[0] if qcol else sx.shape[1]
+    dwdn = dh_w.new_empty(e, d, h2 // 2, dtype=BF16) if late else _empty(dh_w, BF16)
+    return dh_w.new_empty(e, h2, d, dtype=BF16), dwdn
 
 
 N_SAVED = 12  # tensors `_setup_context` saves before the optional ones (N-axis weights, tables)
-N_OPTIONAL = 10  # the forward op's optional trailing inputs
+# the forward op's optional trailing inputs (tables, K- and N-axis weights, keep_down_n) and
+# their defaults
+OPTIONAL_DEFAULTS = (None,) * 10 + (False,)
+N_WEIGHTS_N = 4  # saved after them: gate_up and down along N (data, scale), each or None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (_, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, scale_blocks,
+    (x, w_gate_up, w_down, weights, rows, src, offs, precision, backend, wgrad, scale_blocks,
      _, *extra) = inputs
-    padded: list = [*extra, *[None] * (N_OPTIONAL - len(extra))]
-    table, tile_ends, _, _, _, _, *weights_n = padded
-    _, sx, sxs, h, sa, sas, y = output
+    table, tile_ends, _, _, _, _, *weights_n, _ = extra
+    _, sx, sxs, h, sa, sas, y, dn_n_kept, dn_n_kept_scale = output
+    if dn_n_kept.numel():  # w_down along N, quantized in forward (`_forward_weights`)
+        weights_n[2:] = dn_n_kept, dn_n_kept_scale
     ctx.cfg = (precision, backend, wgrad, scale_blocks)
+    ctx.sizes = (src.numel(), *w_down.shape)  # M, E, D, H
     # backward returns one entry per argument autograd saw: the dispatcher drops the trailing
-    # ones equal to their default (None; `inputs` has them filled in)
-    while extra and extra[-1] is None:
+    # ones equal to their default (`inputs` has them filled in)
+    while extra and extra[-1] is OPTIONAL_DEFAULTS[len(extra) - 1]:
         extra.pop()
     ctx.n_extra = len(extra)
     # The saved-tensor outputs get no gradient; without this autograd would allocate and fill
     # zero "gradients" of their size at the start of backward (measured at dsv3: ~0.9 ms and
     # GiBs of peak memory).
     ctx.set_materialize_grads(False)
-    weights_n = [t for t in weights_n if t is not None]  # pre-quantized: backward's operands
-    ctx.n_weights_n = len(weights_n)
     ctx.has_tables = (table is not None, tile_ends is not None)
     ctx.save_for_backward(w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y,
                           *weights_n, *[t for t in (table, tile_ends) if t is not None])
@@ -333,15 +488,44 @@ def _backward(ctx, dout, *_unused):
     need_dx = ctx.needs_input_grad[0]
     need_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     need_dwts = ctx.needs_input_grad[3]
-    saved = ctx.saved_tensors
-    weights_n = saved[N_SAVED:N_SAVED + ctx.n_weights_n]
-    tables = iter(saved[N_SAVED + ctx.n_weights_n:])
+    cfg = ctx.cfg  # precision, backend, wgrad, scale_blocks
+    saved = list(ctx.saved_tensors)
+    # The saved tensors are now referenced here alone (unless the graph is kept for another
+    # backward), so each is freed once the last phase that reads it has run.
+    ctx.maybe_clear_saved_tensors()
+    w_gate_up, w_down, weights, rows, src, offs, sx, sxs, h, sa, sas, y = saved[:N_SAVED]
+    gu_n, gu_n_scale, dn_n, dn_n_scale = saved[N_SAVED:N_SAVED + N_WEIGHTS_N]
+    tables = iter(saved[N_SAVED + N_WEIGHTS_N:])
     table, tile_ends = (next(tables) if has else None for has in ctx.has_tables)
-    dx, dwgu, dwdn, dwts = torch.ops.moe_mxfp8.routed_experts_bwd(
-        dout, *saved[:N_SAVED], *ctx.cfg, need_dx, need_dw, need_dwts, table, tile_ends,
-        *weights_n)
+    del saved
+    mx, qcol, _ = _modes(cfg[0], cfg[2], True)
+    m, e, d, hh = ctx.sizes
+    late = need_dw and late_down_wgrad(m, d, e, hh, mx and qcol)
+    chain = need_dx or need_dw
+    ops = torch.ops.moe_mxfp8
+    da, dy_w, dy_w_scale, dwdn, dwts = ops.routed_experts_bwd_down(
+        dout.contiguous(), y, w_down, weights, rows, src, offs, sa, sas, *cfg, chain, need_dw,
+        need_dwts, late, table, tile_ends, dn_n, dn_n_scale)
+    del dout, y, dn_n, dn_n_scale
+    dx = dwgu = None
+    if chain:
+        dh_rows, dh_rows_scale, dh_w, dh_w_scale = ops.routed_experts_bwd_swiglu(
+            da, h, src, offs, *cfg, need_dx, need_dw, table, tile_ends)
+        del da, h
+        if need_dx:
+            dx = ops.routed_experts_bwd_dx(dh_rows, dh_rows_scale, w_gate_up, rows, offs, cfg[0],
+                                           cfg[1], cfg[3], gu_n, gu_n_scale)
+        del gu_n, gu_n_scale
+        if need_dw:
+            if not mx:  # the twin's dH serves its dgrad and its weight gradient
+                dh_w, dh_w_scale = dh_rows, dh_rows_scale
+            del dh_rows, dh_rows_scale
+            dwgu, dwdn_late = ops.routed_experts_bwd_dw(
+                dh_w, dh_w_scale, sx, sxs, dy_w, dy_w_scale, sa, sas, offs, *cfg, late)
+            if late:
+                dwdn = dwdn_late
     return (
-        dx if need_dx else None,
+        dx,
         dwgu if ctx.needs_input_grad[1] else None,
         dwdn if ctx.needs_input_grad[2] else None,
         dwts if need_dwts else None,
@@ -352,16 +536,33 @@ def _backward(ctx, dout, *_unused):
 
 _routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
-# The routed-expert operators' pre-quantized weight arguments, per pass: forward reads the
-# weights along K, backward along N. Weights that arrive quantized (MXFP8 all-gathered under
-# FSDP2, `moe_mxfp8.fsdp_mxfp8`) fill them by name.
-PREQUANTIZED_OPS = {torch.ops.moe_mxfp8.routed_experts_fwd.default: "K",
-                    torch.ops.moe_mxfp8.routed_experts_bwd.default: "N"}
-PREQUANTIZED_ARGS = {
-    axis: {"w_gate_up": (f"gu_{axis.lower()}", f"gu_{axis.lower()}_scale"),
-           "w_down": (f"dn_{axis.lower()}", f"dn_{axis.lower()}_scale")}
-    for axis in ("K", "N")
+# The routed-expert operators' pre-quantized weight arguments: the forward reads the weights
+# along K, backward's phases along N (the down projection's in phase 1, gate/up's in phase 2).
+# Weights that arrive quantized (MXFP8 all-gathered under FSDP2, `moe_mxfp8.fsdp_mxfp8`) fill
+# them by name: op -> (axis, {weight argument: (data argument, scale argument)}).
+PREQUANTIZED_OPS = {
+    torch.ops.moe_mxfp8.routed_experts_fwd.default: (
+        "K", {"w_gate_up": ("gu_k", "gu_k_scale"), "w_down": ("dn_k", "dn_k_scale")}),
+    torch.ops.moe_mxfp8.routed_experts_bwd_down.default: (
+        "N", {"w_down": ("dn_n", "dn_n_scale")}),
+    torch.ops.moe_mxfp8.routed_experts_bwd_dx.default: (
+        "N", {"w_gate_up": ("gu_n", "gu_n_scale")}),
 }
+
+
+def _keep_down_n(precision: str, save: bool, prequantized: bool, x: Tensor, w_gate_up: Tensor,
+                 w_down: Tensor) -> bool:
+    """Whether forward quantizes ``w_down`` along N too (`_forward_weights`), for backward's
+    first GEMM (dA, on the way to dX and dW): not when the weights come quantized
+    (``weights_q``), nor when only the routing weights need a gradient.
+
+    Why down's alone: its copy is read by backward's first phase and freed before the SwiGLU
+    backward, the step's memory peak; it moved no peak at the three benchmark shapes. Keeping
+    gate/up's too (alive through that peak, to the gate/up dgrad) put the step's peak above the
+    BF16 twin's at qwen3 and mixtral (5.41 / 12.41 against 5.28 / 12.08 GiB) and saved no
+    measurable time at dsv3 (H100, 2026-11-27, `docs/design/datapath.md`)."""
+    return (save and precision == "mxfp8" and not prequantized
+            and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad))
 
 
 def routed_experts(
@@ -418,7 +619,10 @@ def routed_experts(
     # the step's tables, once for forward and backward (None: the references run)
     table, tile_ends = tables if tables is not None else _step_tables(
         x, offs, src.numel(), _row_recipe(precision == "mxfp8", scale_blocks), backend)
+    keep_down_n = _keep_down_n(precision, save, bool(wq), x, w_gate_up, w_down)
+    if not wq:
+        wq = (None,) * 8
     out = torch.ops.moe_mxfp8.routed_experts_fwd(
         x, w_gate_up, w_down, weights.float(), rows, src, offs, precision, backend, wgrad,
-        scale_blocks, save, table, tile_ends, *wq)[0]
+        scale_blocks, save, table, tile_ends, *wq, keep_down_n)[0]
     return out

@@ -217,12 +217,12 @@ class MXFP8GatheredWeight(torch.Tensor):
 def _with_prequantized(func, args, kwargs) -> dict:
     """The routed-expert operator's arguments with each `MXFP8GatheredWeight` replaced by a
     storage-free stand-in of its shape and its bytes passed as the pre-quantized operand that
-    pass reads (`datapath.PREQUANTIZED_OPS`: along K in forward, along N in backward)."""
+    pass reads (`datapath.PREQUANTIZED_OPS`: along K in forward, along N in backward's phases)."""
     bound = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)}
     bound.update(kwargs)
-    axis = DP.PREQUANTIZED_OPS[func]
+    axis, weight_args = DP.PREQUANTIZED_OPS[func]
     rows = WEIGHT_BLOCK_ROWS[bound["scale_blocks"]]
-    for name, (data_arg, scale_arg) in DP.PREQUANTIZED_ARGS[axis].items():
+    for name, (data_arg, scale_arg) in weight_args.items():
         w = bound[name]
         if not isinstance(w, MXFP8GatheredWeight):
             continue

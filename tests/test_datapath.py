@@ -280,10 +280,38 @@ def test_opcheck(gen, precision, wgrad):
                                       "test_autograd_registration"))
     out = torch.ops.moe_mxfp8.routed_experts_fwd(*[a.detach() if i < 4 else a
                                                    for i, a in enumerate(args)])
-    bargs = (torch.randn_like(out[0]), *args[1:7], *out[1:], precision, "reference", wgrad,
-             "1x32", True, True, True)
-    torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_bwd.default, bargs,
-                          test_utils=("test_schema", "test_faketensor"))
+    opcheck_backward_phases(args, out, precision, wgrad, "1x32")
+
+
+def opcheck_backward_phases(args, out, precision, wgrad, scale_blocks, optional=()):
+    """`torch.library.opcheck` (schema, fake implementation) of backward's four operators on
+    the saved tensors of a forward (``args`` its inputs, ``out`` its outputs), the down
+    projection's weight gradient in the first phase and in the last; ``optional``: the tables
+    and the N-axis weights."""
+    x, w_gu, w_dn, weights, rows, src, offs = (a.detach() for a in args[:7])
+    _, sx, sxs, h, sa, sas, y = out[:7]
+    table, tile_ends, gu_n, gu_ns, dn_n, dn_ns = (*optional, *[None] * 6)[:6]
+    dout = torch.randn_like(out[0])
+    cfg = (precision, "reference", wgrad, scale_blocks)
+    checks = ("test_schema", "test_faketensor")
+    ops = torch.ops.moe_mxfp8
+    for late in (False, True):
+        down = (dout, y, w_dn, weights, rows, src, offs, sa, sas, *cfg, True, True, True, late,
+                table, tile_ends, dn_n, dn_ns)
+        torch.library.opcheck(ops.routed_experts_bwd_down.default, down, test_utils=checks)
+        da, dy_w, dy_w_s, _, _ = ops.routed_experts_bwd_down(*down)
+        swiglu = (da, h, src, offs, *cfg, True, True, table, tile_ends)
+        torch.library.opcheck(ops.routed_experts_bwd_swiglu.default, swiglu, test_utils=checks)
+        dh_rows, dh_rows_s, dh_w, dh_w_s = ops.routed_experts_bwd_swiglu(*swiglu)
+        torch.library.opcheck(
+            ops.routed_experts_bwd_dx.default,
+            (dh_rows, dh_rows_s, w_gu, rows, offs, precision, "reference", scale_blocks, gu_n,
+             gu_ns), test_utils=checks)
+        if precision != "mxfp8":
+            dh_w, dh_w_s = dh_rows, dh_rows_s
+        torch.library.opcheck(
+            ops.routed_experts_bwd_dw.default,
+            (dh_w, dh_w_s, sx, sxs, dy_w, dy_w_s, sa, sas, offs, *cfg, late), test_utils=checks)
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
@@ -305,6 +333,99 @@ def test_compile_fullgraph_matches_eager(gen, precision):
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("scale_blocks", ["1x32", "32x32", "1x128"])
+def test_down_along_n_kept_from_forward(gen, monkeypatch, scale_blocks):
+    """``keep_down_n``: forward quantizes ``w_down`` along both axes from one read and
+    backward's first GEMM reads the N-axis copy instead of quantizing the BF16 weights again.
+    Its bytes are `quantize_weights(axis="N")`'s, every output and gradient equals the path
+    without it bit for bit, and the op's schema, fake and autograd registration hold with it."""
+    t, k, e, d, hh = 40, 2, 3, 64, 64 if scale_blocks == "1x128" else 32
+    ids, counts = make_routing(gen, t, k, e)
+    rows, src, offs = RT.route_layout(ids, counts, 128 if scale_blocks == "1x128" else 16)
+    x = torch.randn(t, d, generator=gen).to(BF16)
+    w_gu = torch.randn(e, 2 * hh, d, generator=gen).to(BF16)
+    w_dn = torch.randn(e, d, hh, generator=gen).to(BF16)
+    weights = torch.rand(t, k, generator=gen)
+    dout = torch.randn(t, d, generator=gen).to(BF16)
+    rows_w = {"1x32": 1, "32x32": 32, "1x128": 128}[scale_blocks]
+    calls = []  # (shape, axis) of every one-axis weight quantization
+    one_axis = DP.quantize_weights
+
+    def counted(w, *, axis, **kw):
+        calls.append((tuple(w.shape), axis))
+        return one_axis(w, axis=axis, **kw)
+
+    monkeypatch.setattr(DP, "quantize_weights", counted)
+
+    def run(keep):
+        leaves = [v.clone().requires_grad_() for v in (x, w_gu, w_dn, weights)]
+        outs = torch.ops.moe_mxfp8.routed_experts_fwd(
+            *leaves, rows, src, offs, "mxfp8", "reference", "mxfp8", scale_blocks, True,
+            *[None] * 10, keep)
+        outs[0].backward(dout)
+        return outs, [outs[0].detach()] + [v.grad for v in leaves]
+
+    gate_up = [(tuple(w_gu.shape), axis) for axis in "KN"]
+    calls.clear()
+    outs, kept = run(True)
+    assert sorted(calls) == gate_up
+    ref_n = one_axis(w_dn, axis="N", block_rows=rows_w, backend="reference")
+    assert torch.equal(outs[7], ref_n.data.view(torch.uint8)) and torch.equal(outs[8],
+                                                                                ref_n.scale)
+    calls.clear()
+    outs_plain, plain = run(False)
+    assert sorted(calls) == sorted(gate_up + [(tuple(w_dn.shape), axis) for axis in "KN"])
+    assert all(o.numel() == 0 for o in outs_plain[7:])
+    for a, b in zip(kept, plain, strict=True):
+        assert torch.equal(a, b)
+    args = (*[v.clone().requires_grad_() for v in (x, w_gu, w_dn, weights)], rows, src, offs,
+            "mxfp8", "reference", "mxfp8", scale_blocks, True, *[None] * 10, True)
+    torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
+
+
+def test_routed_experts_keeps_down_n_only_for_its_dgrad(gen, monkeypatch):
+    """`routed_experts` asks forward for ``w_down`` along N only when backward's first GEMM
+    will read it: a gradient for x or an expert weight, MXFP8, weights not given quantized."""
+    args = _op_args(gen, "mxfp8", "mxfp8", True)
+    x, w_gu, w_dn, weights, rows, src, offs = args[:7]
+    seen = []
+    op = torch.ops.moe_mxfp8.routed_experts_fwd
+
+    class Spy:
+        def __call__(self, *a, **kw):
+            seen.append(a[-1] if len(a) > 12 else False)
+            return op(*a, **kw)
+
+    monkeypatch.setattr(torch.ops.moe_mxfp8, "routed_experts_fwd", Spy())
+    for x_grad, w_grad in ((True, False), (False, True), (False, False)):
+        DP.routed_experts(x.clone().requires_grad_(x_grad), w_gu.clone().requires_grad_(w_grad),
+                          w_dn, weights.clone().requires_grad_(), rows, src, offs,
+                          backend="reference")
+    DP.routed_experts(x.clone().requires_grad_(), w_gu, w_dn, weights, rows, src, offs,
+                      precision="bf16", backend="reference")
+    assert seen == [True, True, False, False]
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_backward_twice_with_retain_graph(gen, precision):
+    """Backward frees its saved tensors phase by phase only when the graph is not retained: a
+    second backward with ``retain_graph=True`` gives the same gradients bit for bit, and one
+    without it raises torch's own error (not a wrong result)."""
+    args = _op_args(gen, precision, "mxfp8", True)
+    x, w_gu, w_dn, weights, rows, src, offs = args[:7]
+    dout = torch.randn(x.shape, generator=gen).to(BF16)
+    leaves = [v.clone().requires_grad_() for v in (x, w_gu, w_dn, weights)]
+    out = DP.routed_experts(*leaves, rows, src, offs, precision=precision, backend="reference")
+    grads = [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(2)]
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    torch.autograd.grad(out, leaves, dout)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(out, leaves, dout)
 
 
 def test_bad_arguments():

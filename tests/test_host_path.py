@@ -53,7 +53,8 @@ def _step(m, x, dy):
 
 @pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
 def test_mxfp8_step_launches(launches, scale_blocks):
-    """A forward + backward: 4 weight quantizations (2 weights x 2 axes), 6 grouped GEMMs
+    """A forward + backward: 3 weight quantizations (gate/up along K in forward and along N in
+    backward, down along both axes in forward), 6 grouped GEMMs
     (fprop 2, dgrad 2, wgrad 2) and the 3 quantized stages on the quantizer tile (SwiGLU and
     its backward, the combine backward) through ctypes, 3 Triton data-path kernels (dispatch,
     combine, the dispatch backward), the router's 3 (forward, its reduction, backward:
@@ -64,7 +65,7 @@ def test_mxfp8_step_launches(launches, scale_blocks):
     x, dy = torch.randn(2, 40, 128).to(BF16), torch.randn(2, 40, 128).to(BF16)
     plain = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks)
     cached = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks, cache_weights=True)
-    for m, counts in ((plain, [13, 13]), (cached, [11, 9])):
+    for m, counts in ((plain, [12, 12]), (cached, [11, 9])):
         for want in counts:
             launches.clear()
             _step(m, x, dy)
@@ -105,8 +106,10 @@ def test_bf16_twin_step_launches(launches):
 # aten ops of one forward + backward on the GPU host path, those inside the custom ops included
 # (on a GPU each is a launch or an allocation, ~30 us of host time; views and no-op casts count
 # too): the router GEMM, the router's and the routing layout's buffers, autograd and the stages'
-# buffers
-STEP_ATEN_OPS = {"bf16": 98, "1x32": 99, "1x128": 99}
+# buffers; backward's four operators (`datapath._backward`) pass their tensors as views and the
+# outputs a configuration does not make as empty tensors (about a dozen ops more than one
+# backward operator)
+STEP_ATEN_OPS = {"bf16": 114, "1x32": 112, "1x128": 111}
 HOST_SYNC_OPS = {"aten.item", "aten._local_scalar_dense", "aten.is_nonzero"}
 
 
@@ -158,7 +161,7 @@ def test_launch_decisions_are_made_once_per_problem(launches, monkeypatch):
     _step(m, x, dy)
     assert len(chosen) == 6 == len(set(chosen))  # fprop 2, dgrad 2, wgrad 2
     _step(m, x, dy)
-    assert len(chosen) == 6 and launches["native"] == 26  # 13 a step
+    assert len(chosen) == 6 and launches["native"] == 24  # 12 a step
 
 
 def _graph_steps(m, xs, dy):

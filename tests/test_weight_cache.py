@@ -15,6 +15,7 @@ from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import datapath as DP
 from moe_mxfp8 import routing as RT
 from moe_mxfp8 import weight_cache as WC
+from tests.test_datapath import opcheck_backward_phases
 
 BF16 = torch.bfloat16
 D, H, E, K, T = 64, 32, 4, 2, 48
@@ -24,8 +25,9 @@ CPU_RECIPES = [*RECIPES, "32x32"]
 
 @pytest.fixture
 def counts(monkeypatch):
-    """Weight quantizer runs: ``single`` (one axis, the uncached path), ``dual`` (the cache)."""
-    n = {"single": 0, "dual": 0}
+    """Weight quantizer runs: ``single`` (one axis) and ``fwd_dual`` (both axes in forward, the
+    N-axis copy kept for backward) on the uncached path, ``dual`` (the cache)."""
+    n = {"single": 0, "fwd_dual": 0, "dual": 0}
 
     def count(name, fn):
         def wrapped(*a, **kw):
@@ -34,8 +36,16 @@ def counts(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(DP, "quantize_weights", count("single", DP.quantize_weights))
+    monkeypatch.setattr(DP, "quantize_weights_dual", count("fwd_dual",
+                                                           DP.quantize_weights_dual))
     monkeypatch.setattr(WC, "quantize_weights_dual", count("dual", WC.quantize_weights_dual))
     return n
+
+
+def _uncached_weights(counts) -> float:
+    """Weights the uncached path quantized along both axes: each from one read in forward
+    (``fwd_dual``, `datapath._keep_weights_n`) or one axis per pass (two ``single`` runs)."""
+    return counts["fwd_dual"] + counts["single"] / 2
 
 
 def _pair(scale_blocks="1x32", dtype=BF16, seed=0):
@@ -72,12 +82,13 @@ def test_micro_batches_quantize_once_and_match_bitwise(counts, scale_blocks):
     batches = _inputs(3)
     for i, x_dy in enumerate(batches):
         y1, dx1 = _step(cached, *x_dy)
-        assert counts["single"] == 4 * i  # the uncached layer's runs only
+        assert _uncached_weights(counts) == 2 * i
         y0, dx0 = _step(plain, *x_dy)
         assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
-    # both weights, once each; the uncached layer quantizes 2 axes x 2 weights per micro-batch
+    # both weights, once each; the uncached layer quantizes both weights along both axes per
+    # micro-batch
     assert counts["dual"] == 2 and cached._weight_cache.quantizations == 2
-    assert counts["single"] == 4 * len(batches)
+    assert _uncached_weights(counts) == 2 * len(batches)
     _assert_same_grads(cached, plain)
 
 
@@ -331,10 +342,7 @@ def test_opcheck_with_the_optional_inputs():
                                       "test_autograd_registration"))
     out = torch.ops.moe_mxfp8.routed_experts_fwd(*[a.detach() if i < 4 else a
                                                    for i, a in enumerate(args)])
-    bargs = (torch.randn_like(out[0]), *args[1:7], *out[1:], "mxfp8", "reference", "mxfp8",
-             "1x32", True, True, True, table, tile_ends, *wq[4:])
-    torch.library.opcheck(torch.ops.moe_mxfp8.routed_experts_bwd.default, bargs,
-                          test_utils=("test_schema", "test_faketensor"))
+    opcheck_backward_phases(args, out, "mxfp8", "mxfp8", "1x32", (table, tile_ends, *wq[4:]))
 
 
 def test_layer_made_in_inference_mode_runs_uncached(counts):
@@ -342,4 +350,4 @@ def test_layer_made_in_inference_mode_runs_uncached(counts):
     with torch.inference_mode():
         m = MXFP8MoE(D, H, E, K, backend="reference", cache_weights=True)
         m(torch.randn(T, D).to(BF16))
-    assert counts["dual"] == 0 and counts["single"] == 2
+    assert counts["dual"] == 0 and counts["fwd_dual"] == 0 and counts["single"] == 2
