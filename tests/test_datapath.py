@@ -259,15 +259,19 @@ def test_references_against_autograd(gen):
     assert torch.equal(ST.dispatch_backward_ref(dxs, rows), acc.to(BF16))
 
 
-def _op_args(gen, precision, wgrad, save):
-    t, k, e, d, hh = 24, 2, 3, 64, 32
+def _op_args(gen, precision, wgrad, save, scale_blocks="1x32", t=24, hh=32):
+    """The forward op's arguments (k 2, E 3, D 64) on fresh random data, groups aligned as the
+    layer aligns them for ``scale_blocks``."""
+    k, e, d = 2, 3, 64
     ids, counts = make_routing(gen, t, k, e)
-    rows, src, offs = RT.route_layout(ids, counts, 16 if precision == "mxfp8" else 1)
+    align = 1 if precision != "mxfp8" else 128 if scale_blocks == "1x128" else 16
+    rows, src, offs = RT.route_layout(ids, counts, align)
     x = torch.randn(t, d, generator=gen).to(BF16)
     w_gu = torch.randn(e, 2 * hh, d, generator=gen).to(BF16)
     w_dn = torch.randn(e, d, hh, generator=gen).to(BF16)
     weights = torch.rand(t, k, generator=gen)
-    return (x, w_gu, w_dn, weights, rows, src, offs, precision, "reference", wgrad, "1x32", save)
+    return (x, w_gu, w_dn, weights, rows, src, offs, precision, "reference", wgrad, scale_blocks,
+            save)
 
 
 @pytest.mark.parametrize("precision,wgrad", [("mxfp8", "mxfp8"), ("mxfp8", "bf16"),
@@ -341,14 +345,10 @@ def test_down_along_n_kept_from_forward(gen, monkeypatch, scale_blocks):
     backward's first GEMM reads the N-axis copy instead of quantizing the BF16 weights again.
     Its bytes are `quantize_weights(axis="N")`'s, every output and gradient equals the path
     without it bit for bit, and the op's schema, fake and autograd registration hold with it."""
-    t, k, e, d, hh = 40, 2, 3, 64, 64 if scale_blocks == "1x128" else 32
-    ids, counts = make_routing(gen, t, k, e)
-    rows, src, offs = RT.route_layout(ids, counts, 128 if scale_blocks == "1x128" else 16)
-    x = torch.randn(t, d, generator=gen).to(BF16)
-    w_gu = torch.randn(e, 2 * hh, d, generator=gen).to(BF16)
-    w_dn = torch.randn(e, d, hh, generator=gen).to(BF16)
-    weights = torch.rand(t, k, generator=gen)
-    dout = torch.randn(t, d, generator=gen).to(BF16)
+    x, w_gu, w_dn, weights, rows, src, offs = _op_args(
+        gen, "mxfp8", "mxfp8", True, scale_blocks, t=40, hh=64 if scale_blocks == "1x128" else 32
+    )[:7]
+    dout = torch.randn(x.shape, generator=gen).to(BF16)
     rows_w = {"1x32": 1, "32x32": 32, "1x128": 128}[scale_blocks]
     calls = []  # (shape, axis) of every one-axis weight quantization
     one_axis = DP.quantize_weights
