@@ -428,6 +428,46 @@ def test_backward_twice_with_retain_graph(gen, precision):
         torch.autograd.grad(out, leaves, dout)
 
 
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_backward_frees_each_saved_tensor_after_its_last_phase(gen, monkeypatch, precision):
+    """The saved ``y`` (read by the combine backward) and down's N-axis weights are freed before
+    the SwiGLU backward runs, ``h`` before the gate/up dgrad, and nothing else holds them: the
+    storages are gone (not merely unreferenced here) when those phases start."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    x, w_gu, w_dn, weights, rows, src, offs = _op_args(gen, precision, "mxfp8", True)[:7]
+    ops = torch.ops.moe_mxfp8
+    fwd = ops.routed_experts_fwd
+    watched, expired_at = {}, {}
+
+    def spy_fwd(*a, **kw):
+        outs = fwd(*a, **kw)
+        names = {"h": outs[3], "y": outs[6]}
+        if precision == "mxfp8":
+            names["down along N"] = outs[7]
+        watched.update({k: StorageWeakRef(v.untyped_storage()) for k, v in names.items()})
+        return outs
+
+    def spy(name, op):
+        def call(*a, **kw):
+            expired_at[name] = {k: ref.expired() for k, ref in watched.items()}
+            return op(*a, **kw)
+        return call
+
+    monkeypatch.setattr(ops, "routed_experts_fwd", spy_fwd)
+    monkeypatch.setattr(ops, "routed_experts_bwd_swiglu",
+                        spy("swiglu", ops.routed_experts_bwd_swiglu))
+    monkeypatch.setattr(ops, "routed_experts_bwd_dx", spy("dx", ops.routed_experts_bwd_dx))
+    leaves = [v.clone().requires_grad_() for v in (x, w_gu, w_dn, weights)]
+    out = DP.routed_experts(*leaves, rows, src, offs, precision=precision, backend="reference")
+    assert not any(ref.expired() for ref in watched.values())  # alive until backward
+    out.backward(torch.randn(out.shape, generator=gen).to(BF16))
+    freed_before_swiglu = {"y", "down along N"} & set(watched)
+    assert all(expired_at["swiglu"][k] for k in freed_before_swiglu), expired_at
+    assert not expired_at["swiglu"]["h"]
+    assert all(expired_at["dx"].values()), expired_at
+
+
 def test_bad_arguments():
     x = torch.randn(4, 64, dtype=BF16)
     w = torch.randn(2, 64, 64, dtype=BF16)
