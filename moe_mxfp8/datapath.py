@@ -150,7 +150,7 @@ def _routed_experts_fwd(
                             aligned_groups=True, table=table, tile_ends=tile_ends,
                             backend=backend)
         w, dn_n_kept = _forward_weights(w_down, sb, backend, dn_k, dn_k_scale,
-                                        keep_down_n and dn_n is None)
+                                        _quantizes_down_n(keep_down_n, precision, dn_k, dn_n))
         y = grouped_mm_m(ar, w, offs, out_dtype=BF16, backend=backend)
         del ar, w
     else:
@@ -172,15 +172,23 @@ def _routed_experts_fwd(
     return out, sx, sxs, _i16(h, x), sa, sas, _i16(y, x), *kept
 
 
+def _quantizes_down_n(keep_down_n: bool, precision: str, dn_k: Tensor | None,
+                      dn_n: Tensor | None) -> bool:
+    """Whether the forward op quantizes ``w_down`` along both axes and returns the N-axis copy:
+    asked to (``keep_down_n``), MXFP8, and the weights not given quantized along either axis."""
+    return keep_down_n and precision == "mxfp8" and dn_k is None and dn_n is None
+
+
 def _forward_weights(w: Tensor, scale_blocks: str, backend: str, data: Tensor | None,
                      scale: Tensor | None, keep_n: bool
                      ) -> tuple[MXFP8Tensor, MXFP8Tensor | None]:
     """Expert weights ``w`` along K for a forward GEMM (``data``/``scale`` given: those) and,
-    with ``keep_n``, along N for backward's GEMM, both from one read of the BF16 weights
+    with ``keep_n`` (`_quantizes_down_n`: nothing given), along N for backward's GEMM, both
+    from one read of the BF16 weights
     (`quantize_weights_dual`: 4.06 bytes a parameter, against 3.03 in forward and 3.03 again
     in backward; the same bytes). Backward frees the N-axis copy once its GEMM has run
     (`_backward`)."""
-    if not keep_n or data is not None:
+    if not keep_n:
         return _weights_q(w, "K", scale_blocks, backend, data, scale), None
     along_k, along_n = quantize_weights_dual(w.contiguous(),
                                              block_rows=WEIGHT_BLOCK_ROWS[scale_blocks],
@@ -201,7 +209,7 @@ def _routed_experts_fwd_fake(x, w_gate_up, w_down, weights, rows, src, offs, pre
     e8, e16 = _empty(x, torch.uint8), _empty(x, torch.int16)
 
     kept = (e8.clone(), e8.clone())  # `_forward_weights`' N-axis copy (E, H, D), its scales
-    if keep_down_n and precision == "mxfp8" and dn_k is None and dn_n is None:
+    if _quantizes_down_n(keep_down_n, precision, dn_k, dn_n):
         ne, n, k = w_down.shape
         kept = (x.new_empty(ne, k, n, dtype=torch.uint8),
                 x.new_empty(ne * L.expert_scale_stride(k, n // L.BLOCK_SIZE), dtype=torch.uint8))
@@ -303,13 +311,10 @@ def _bwd_down(
         dout, y.view(BF16), src, rows, weights, offs, qrow=mx and need_chain, qcol=qcol,
         keep_bf16=(not mx and need_chain) or keep, need_dw=need_dweights, scale_blocks=sb,
         aligned_groups=mx, table=table, tile_ends=tile_ends, backend=backend)
-    if not need_chain:
-        return (_made(da, dout, BF16), _made(dy_w, dout, U8), _made(dy_w_scale, dout, U8),
-                _made(dwdn, dout, BF16), _made(dwts, dout, F32))
-    if mx:
+    if need_chain and mx:
         da = grouped_mm_m(dyr, _weights_q(w_down, "N", sb, backend, dn_n, dn_n_scale), offs,
                           out_dtype=BF16, backend=backend)
-    else:
+    elif need_chain:
         da = torch._grouped_mm(dyb, w_down, offs=offs)
     if need_dw and not late:
         dwdn = _weight_grad(dyc, dyb, sa, sa_scale, offs, qcol, sb, backend)
@@ -469,7 +474,6 @@ def _setup_context(ctx, inputs, output) -> None:
     if dn_n_kept.numel():  # w_down along N, quantized in forward (`_forward_weights`)
         weights_n[2:] = dn_n_kept, dn_n_kept_scale
     ctx.cfg = (precision, backend, wgrad, scale_blocks)
-    ctx.sizes = (src.numel(), *w_down.shape)  # M, E, D, H
     # backward returns one entry per argument autograd saw: the dispatcher drops the trailing
     # ones equal to their default (`inputs` has them filled in)
     while extra and extra[-1] is OPTIONAL_DEFAULTS[len(extra) - 1]:
@@ -499,12 +503,12 @@ def _backward(ctx, dout, *_unused):
     table, tile_ends = (next(tables) if has else None for has in ctx.has_tables)
     del saved
     mx, qcol, _ = _modes(cfg[0], cfg[2], True)
-    m, e, d, hh = ctx.sizes
-    late = need_dw and late_down_wgrad(m, d, e, hh, mx and qcol)
+    e, d, hh = w_down.shape
+    late = need_dw and late_down_wgrad(src.numel(), d, e, hh, mx and qcol)
     chain = need_dx or need_dw
     ops = torch.ops.moe_mxfp8
     da, dy_w, dy_w_scale, dwdn, dwts = ops.routed_experts_bwd_down(
-        dout.contiguous(), y, w_down, weights, rows, src, offs, sa, sas, *cfg, chain, need_dw,
+        dout, y, w_down, weights, rows, src, offs, sa, sas, *cfg, chain, need_dw,
         need_dwts, late, table, tile_ends, dn_n, dn_n_scale)
     del dout, y, dn_n, dn_n_scale
     dx = dwgu = None
