@@ -619,7 +619,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quantizer_stages is not None:
         names = args.quantizer_stages
-        ST.QUANTIZER_STAGES = frozenset() if names == "none" else frozenset(names.split(","))
+        ST.QUANTIZER_STAGES = ({} if names == "none"
+                               else dict.fromkeys(names.split(","), ST.QUANTIZER_BLOCKS))
     info = device_info()
     print(info)
     rows = []

@@ -7,10 +7,13 @@ BF16 twin's kernel.
     python -m benchmarks.bench_rowkernels [--shapes mixtral,dsv3]
         [--kernels swiglu,dispatch,combine] [--variants all|NAME,...]
         [--module moe_mxfp8.kernels.datapath_triton] [--parts] [--once]
-        [--quantizer-tunings "4,3 2,3"]
+        [--quantizer-tunings "load_batch=4,ctas_per_sm=3 load_ahead=0"] [--align 128]
 
 ``--variants``: the named tilings of `VARIANTS` to time (those a kernel cannot take are
-skipped); ``--module``: a copy of the kernel module to time instead (a diagnostic variant).
+skipped); ``--module``: a copy of the kernel module to time instead (a diagnostic variant);
+``--quantizer-tunings``: the quantizer tile at these `QuantConfig` tuning fields too (over
+`quantize_launch.SOURCE_TUNING`'s); ``--align``: the rows every expert group is padded to (128:
+the 1x128 layer's layout, 16: the 1x32 layer's).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def _line(name, kern, what, ms, nbytes):
     print(f"{name:8s} {kern:12s} {what:52s} {ms:7.3f} ms {gbs:6.0f} GB/s {share}", flush=True)
 
 
-def make_inputs(name: str, align: int = 16) -> dict:
+def make_inputs(name: str, align: int = 128) -> dict:
     """Routing and the row kernels' inputs and 1x128 outputs at shape ``name`` (random data,
     every group padded to ``align`` rows)."""
     t, k, e, d, hh = SHAPES[name]
@@ -86,8 +89,8 @@ def make_inputs(name: str, align: int = 16) -> dict:
 def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> None:
     """Kernel ``kern`` (SwiGLU forward or backward, dispatch, combine backward) on the CuTeDSL
     quantizer tile (`kernels.quantize`'s computed sources), 1x128 and 1x32 blocks, both copies,
-    into preallocated outputs; ``tunings``: other ``(load_batch, ctas_per_sm[, joint dh])``
-    than `quantize_launch.SWIGLU_TUNING`'s to time too (1x128, SwiGLU)."""
+    into preallocated outputs; ``tunings``: `QuantConfig` tuning fields over
+    `quantize_launch.SOURCE_TUNING`'s to time too (1x128)."""
     from moe_mxfp8.kernels import quantize_launch as QL
 
     h, da, src, offs, m, hh, e = (z[n] for n in ("h", "da", "src", "offs", "m", "hh", "e"))
@@ -100,12 +103,12 @@ def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> 
         if kern == "dispatch":
             def fn(ablk=ablk, tuning=tuning):
                 QL.quantize_gather(z["x"], src, offs, z["k"], act_block=ablk,
-                                   aligned_groups=True, out=out)
+                                   aligned_groups=True, out=out, tuning=tuning)
         elif kern == "combine_bwd":
             def fn(ablk=ablk, tuning=tuning):
                 QL.quantize_combine_grad(z["dout"], z["y"], src, z["w"], offs, z["k"],
                                          act_block=ablk, aligned_groups=True, out=out,
-                                         part=z["part"])
+                                         part=z["part"], tuning=tuning)
         elif kern == "swiglu_fwd":
             def fn(ablk=ablk, tuning=tuning):
                 QL.quantize_swiglu(h, src, offs, act_block=ablk, aligned_groups=True, out=out,
@@ -116,7 +119,7 @@ def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> 
                                         out=out, tuning=tuning)
         fn()  # compile outside the timing
         what = ("shipped" if tuning is None
-                else "load_batch {} ctas/SM {} joint dh {}".format(*tuning, 0))
+                else " ".join(f"{f}={v}" for f, v in tuning.items()))
         _line(name, kern, f"quantizer tile (CuTeDSL), 1x{ablk}, {what}", _ms(fn), nbytes)
     if kern not in ("swiglu_fwd", "swiglu_bwd"):
         return
@@ -133,11 +136,11 @@ def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> 
 
 
 def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = False,
-          names: list[str] | None = None, tunings=()) -> None:
+          names: list[str] | None = None, tunings=(), align: int = 128) -> None:
     """Every setting of ``kinds`` at shape ``name`` (``names``: only these `VARIANTS`), the
     shipped setting restored after (``once``: instead, each kernel of ``kinds`` and its BF16
     twin launched once, for profilers)."""
-    z = make_inputs(name)
+    z = make_inputs(name, align)
     k, d, hh, m, src, tbl = z["k"], z["d"], z["hh"], z["m"], z["src"], z["tbl"]
     x, h, da, o_d, o_h, o_2h = z["x"], z["h"], z["da"], z["o_d"], z["o_h"], z["o_2h"]
     bf = torch.bfloat16
@@ -189,7 +192,7 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
             if twin is not None:
                 _line(name, kern, "BF16 twin's kernel", _ms(twin), twin_bytes)
             _quantizer_lines(name, kern, {**z, "dout": dout, "y": y, "w": w, "part": part},
-                             nbytes, tunings if kind == "swiglu" else ())
+                             nbytes, tunings)
             table = K.ROW_TILING[kern]
             shipped = table[128]
             try:
@@ -199,6 +202,11 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
                     _line(name, kern, what, _ms(fn), nbytes)
             finally:
                 table[128] = shipped
+
+
+def parse_tuning(text: str) -> dict:
+    """``"load_batch=2,load_ahead=1"`` -> {"load_batch": 2, "load_ahead": 1}."""
+    return {f: int(v) for f, v in (kv.split("=") for kv in text.split(","))}
 
 
 def main():
@@ -212,8 +220,10 @@ def main():
                     help="also the shipped SwiGLU tiling with one kind of output at a time")
     ap.add_argument("--once", action="store_true", help="one launch of each kernel (profilers)")
     ap.add_argument("--quantizer-tunings", default="",
-                    help="SwiGLU on the quantizer tile at these 'load_batch,ctas_per_sm' too "
-                         "(space-separated pairs)")
+                    help="the quantizer tile at these tunings too: space-separated, each "
+                         "'field=int,...' of QuantConfig's tuning fields")
+    ap.add_argument("--align", type=int, default=128,
+                    help="rows every expert group is padded to (128: the 1x128 layout)")
     args = ap.parse_args()
     names = None if args.variants == "all" else args.variants.split(",")
     if names and (bad := [n for n in names if n not in VARIANTS]):
@@ -222,7 +232,7 @@ def main():
     torch.manual_seed(0)
     for name in args.shapes.split(","):
         sweep(K, name, args.kernels.split(","), args.parts, args.once, names,
-              [tuple(map(int, p.split(","))) for p in args.quantizer_tunings.split()])
+              [parse_tuning(p) for p in args.quantizer_tunings.split()], args.align)
 
 
 if __name__ == "__main__":

@@ -242,6 +242,13 @@ class TileQuantizer:
             return f"load_batch {c.load_batch} must divide the 8 vectors a thread loads"
         if c.ctas_per_sm < 0:
             return f"ctas_per_sm must be >= 0, got {c.ctas_per_sm}"
+        if not 0 <= c.load_ahead < self.vecs_per_thread // c.load_batch:
+            return (f"load_ahead {c.load_ahead} must be below the "
+                    f"{self.vecs_per_thread // c.load_batch} batches a thread loads")
+        if c.unpredicated and c.source not in ("swiglu", "swiglu_grad"):
+            return "unpredicated loads are the SwiGLU sources' (their rows exist for pad rows)"
+        if c.speculate_rows and c.grouping != "offs":
+            return "speculate_rows guesses a grouped tile's rows (grouping 'offs')"
         if c.source != "x" and c.k % F.BLOCK_SIZE:
             # whole 16-byte vectors of every input (and, for dh, none across the halves)
             return f"the {c.source!r} source needs a multiple of 32 features, got {c.k}"
@@ -340,24 +347,30 @@ class TileQuantizer:
         cta, _, _ = cute.arch.block_idx()
         bx = cta % self.grid_feat_tiles  # static divisor: a multiply and a shift
         t = cta // self.grid_feat_tiles
-        tok_begin, n_valid, t_first, tiles_g, g = self.tile_context(
-            offs, tile_ends, m, n_groups, search_steps, n_vtiles, t
-        )
         feat0 = bx * TILE_FEATURES
         smem = Int32(0)
         if const_expr(self.needs_smem):
             smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
         words = []
-        if const_expr(c.source == "x"):
-            words = self.load_tile(x, tok_begin, n_valid, feat0, tid)
-        elif const_expr(self.joint):
-            words = self.swiglu_joint_tile(x, aux, src, tok_begin, n_valid, feat0, tid,
-                                           smem + self.smem_region)
-        elif const_expr(c.source in ("gather", "combine_grad")):
-            words = self.routed_tile(x, aux, src, wts, part, tok_begin, n_valid, feat0, bx, m,
-                                     tid)
+        if const_expr(c.speculate_rows):
+            # load rows [128 t, 128 t + 128) while the group search runs: they are the tile's
+            # wherever every group starts on a tile boundary; else (CTA-uniform) load again
+            tb0 = t * TILE_TOKENS
+            nv0 = cutlass.min(cutlass.max(m - tb0, 0), TILE_TOKENS)
+            words = self.source_words(x, aux, src, wts, part, tb0, nv0, feat0, bx, m, tid,
+                                      smem)
+            tok_begin, n_valid, t_first, tiles_g, g = self.tile_context(
+                offs, tile_ends, m, n_groups, search_steps, n_vtiles, t
+            )
+            if (tok_begin != tb0) | (n_valid != nv0):
+                words = self.source_words(x, aux, src, wts, part, tok_begin, n_valid, feat0,
+                                          bx, m, tid, smem)
         else:
-            words = self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0, tid)
+            tok_begin, n_valid, t_first, tiles_g, g = self.tile_context(
+                offs, tile_ends, m, n_groups, search_steps, n_vtiles, t
+            )
+            words = self.source_words(x, aux, src, wts, part, tok_begin, n_valid, feat0, bx,
+                                      m, tid, smem)
         if const_expr(self.needs_smem):
             self.stash_tile(smem, words, tid)
         if const_expr(c.rows and not self.tiled):
@@ -378,6 +391,36 @@ class TileQuantizer:
             self.cols_phase(q_col, s_col, smem_u, tok_begin, n_valid, bx_u * TILE_FEATURES,
                             bx_u, t, t_first, tiles_g, g, m, tid)
 
+    @cute.jit
+    def source_words(self, x, aux, src, wts, part, tok_begin, n_valid, feat0, bx, m, tid, smem):
+        """The tile's words, read (``x``) or computed in the load (the other sources)."""
+        c = self.cfg
+        words = []
+        if const_expr(c.source == "x"):
+            words = self.load_tile(x, tok_begin, n_valid, feat0, tid)
+        elif const_expr(self.joint):
+            words = self.swiglu_joint_tile(x, aux, src, tok_begin, n_valid, feat0, tid,
+                                           smem + self.smem_region)
+        elif const_expr(c.source in ("gather", "combine_grad")):
+            words = self.routed_tile(x, aux, src, wts, part, tok_begin, n_valid, feat0, bx, m,
+                                     tid)
+        else:
+            words = self.swiglu_tile(x, aux, src, tok_begin, n_valid, feat0, tid)
+        return words
+
+    @cute.jit
+    def load_pairs(self, src, tok_begin, n_valid, tid):
+        """The source pair of each of this thread's vectors, all loaded before any vector's data
+        (whose addresses or predicates need them), or [] where the data loads do not wait for
+        them (``unpredicated``: each vector loads its pair where it zeroes a pad row)."""
+        pairs = []
+        if const_expr(not self.cfg.unpredicated):
+            for it in cutlass.range_constexpr(self.vecs_per_thread):
+                r, _ = self.vec_slot(it, tid)
+                pairs.append(ld_global_b32(src.toint() + (Int64(tok_begin) + r) * 4,
+                                           Int32(r < n_valid), -1))
+        return pairs
+
     def vec_slot(self, it, tid):
         """(tile row, 16-byte vector in the row) of this thread's ``it``-th vector: a warp covers
         whole rows, 512 contiguous bytes per instruction."""
@@ -385,16 +428,22 @@ class TileQuantizer:
                 tid % self.vecs_per_row)
 
     @cute.jit
-    def row_slot(self, src, it, tid, tok_begin, n_valid, feat0, width):
+    def row_slot(self, src, it, tid, tok_begin, n_valid, feat0, width, pairs):
         """This thread's ``it``-th vector of a tile computed from the layout's rows: (tile row,
         vector, its first feature, the sorted row, the row's source pair (0 on pad rows),
-        whether it holds data -- in the tile, features below ``width``, no pad row)."""
+        whether it holds data -- in the tile, features below ``width``, no pad row -- and
+        whether it is in the tile below ``width``)."""
         r, vec = self.vec_slot(it, tid)
         feat = feat0 + vec * self.vec_elems
         row = Int64(tok_begin) + r
-        pair = ld_global_b32(src.toint() + row * 4, Int32(r < n_valid), -1)
-        ok = Int32(r < n_valid) & Int32(feat < width) & Int32(pair >= 0)
-        return r, vec, feat, row, cutlass.max(pair, 0), ok
+        pair = Int32(-1)
+        if const_expr(len(pairs) > 0):
+            pair = pairs[it]
+        else:
+            pair = ld_global_b32(src.toint() + row * 4, Int32(r < n_valid), -1)
+        inside = Int32(r < n_valid) & Int32(feat < width)
+        ok = inside & Int32(pair >= 0)
+        return r, vec, feat, row, cutlass.max(pair, 0), ok, inside
 
     @cute.jit
     def load_tile(self, x, tok_begin, n_valid, feat0, tid):
@@ -440,37 +489,64 @@ class TileQuantizer:
         A dh tile here may straddle the halves (H % 128 != 0; else `swiglu_joint_tile`): each
         vector picks its own.
 
-        The loads of ``load_batch`` vectors go out before their arithmetic: enough bytes in
-        flight, without holding all of the tile's inputs (2-3x its output) in registers."""
+        The loads go out ``load_batch`` vectors at a time, ``load_ahead`` batches before the
+        arithmetic that needs them (`pipeline`): enough bytes in flight, without holding all of
+        the tile's inputs (2-3x its output) in registers."""
+        pairs = self.load_pairs(src, tok_begin, n_valid, tid)
+        return self.pipeline(self.swiglu_issue, self.swiglu_math,
+                             (h.toint(), da.toint(), src, tid, tok_begin, n_valid, feat0, pairs))
+
+    def swiglu_issue(self, b, h_base, da_base, src, tid, tok_begin, n_valid, feat0, pairs):
+        """The loads of batch ``b`` of `swiglu_tile` (traced inline)."""
         c = self.cfg
         grad = c.source == "swiglu_grad"
         hidden = c.k // 2 if grad else c.k  # H: the width of gate, up and dA
-        h_base, da_base = h.toint(), da.toint()
+        loads = []
+        for it in range(b * c.load_batch, (b + 1) * c.load_batch):
+            _, _, feat, tok, _, ok, inside = self.row_slot(src, it, tid, tok_begin, n_valid,
+                                                           feat0, c.k, pairs)
+            pred = inside if c.unpredicated else ok
+            # dh's feature f < H is dgate of gate feature f, else dup of feature f - H
+            is_up = Int32(0)
+            if grad:
+                is_up = Int32(feat >= hidden)
+            f = feat - is_up * hidden
+            row = h_base + (tok * (2 * hidden) + f) * 2
+            g = ld_global_v4(row, pred)
+            u = ld_global_v4(row + hidden * 2, pred & (1 - is_up))  # dup does not read up
+            d = [Int32(0)] * 4
+            if grad:
+                d = ld_global_v4(da_base + (tok * hidden + f) * 2, pred)
+            loads.append((g, u, d, is_up, ok))
+        return loads
+
+    def swiglu_math(self, loads, *_):
+        """The words of one batch of `swiglu_issue`'s loads."""
+        c = self.cfg
         words = []
-        for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, c.load_batch):
-            loads = []
-            for it in cutlass.range_constexpr(b0, b0 + c.load_batch):
-                _, _, feat, tok, _, ok = self.row_slot(src, it, tid, tok_begin, n_valid, feat0,
-                                                       c.k)
-                # dh's feature f < H is dgate of gate feature f, else dup of feature f - H
-                is_up = Int32(0)
-                if const_expr(grad):
-                    is_up = Int32(feat >= hidden)
-                f = feat - is_up * hidden
-                row = h_base + (tok * (2 * hidden) + f) * 2
-                g = ld_global_v4(row, ok)
-                u = ld_global_v4(row + hidden * 2, ok & (1 - is_up))  # dup does not read up
-                d = [Int32(0)] * 4
-                if const_expr(grad):
-                    d = ld_global_v4(da_base + (tok * hidden + f) * 2, ok)
-                loads.append((g, u, d, is_up))
-            for li in cutlass.range_constexpr(len(loads)):
-                g, u, d, is_up = loads[li]
-                for j in cutlass.range_constexpr(4):
-                    if const_expr(grad):
-                        words.append(swiglu_grad_bf16x2(g[j], u[j], d[j], is_up))
-                    else:
-                        words.append(swiglu_bf16x2(g[j], u[j]))
+        for g, u, d, is_up, ok in loads:
+            for j in range(4):
+                if c.source == "swiglu_grad":
+                    val = swiglu_grad_bf16x2(g[j], u[j], d[j], is_up)
+                else:
+                    val = swiglu_bf16x2(g[j], u[j])
+                if c.unpredicated:  # pad rows were read: zero them here
+                    val = cutlass.select_(ok != 0, val, Int32(0))
+                words.append(val)
+        return words
+
+    def pipeline(self, issue, math, args):
+        """The tile's words, batch by batch: ``issue(b, *args)`` returns batch b's loads,
+        ``math(loads, *args)`` its words; batches ``b + 1 .. b + ahead`` are issued before
+        batch b's arithmetic, so their latency overlaps it (traced inline)."""
+        nb = self.vecs_per_thread // self.cfg.load_batch
+        ahead = self.cfg.load_ahead
+        issued = [issue(b, *args) for b in range(min(ahead, nb))]
+        words = []
+        for b in range(nb):
+            if b + ahead < nb:
+                issued.append(issue(b + ahead, *args))
+            words.extend(math(issued[b], *args))
         return words
 
     @cute.jit
@@ -488,65 +564,90 @@ class TileQuantizer:
         With ``with_part``, also ``part[bx, r]`` = the fp32 sum over the tile's features of
         ``bf16(x[token] * y[r])`` (the routing weight's gradient, per 128-feature tile): each
         lane sums its 8 features in order, then the row's 16 lanes by butterfly."""
+        pairs = self.load_pairs(src, tok_begin, n_valid, tid)
+        return self.pipeline(self.routed_issue, self.routed_math,
+                             (x.toint(), y.toint(), src, wts, part, tok_begin, n_valid, feat0,
+                              bx, m, tid, pairs))
+
+    def routed_issue(self, b, x_base, y_base, src, wts, part, tok_begin, n_valid, feat0, bx, m,
+                     tid, pairs):
+        """The loads of batch ``b`` of `routed_tile` (traced inline)."""
         c = self.cfg
-        combine = c.source == "combine_grad"
-        x_base, y_base = x.toint(), y.toint()
+        loads = []
+        for it in range(b * c.load_batch, (b + 1) * c.load_batch):
+            r, _, feat, row, pair, ok, _ = self.row_slot(src, it, tid, tok_begin, n_valid,
+                                                         feat0, c.k, pairs)
+            tok = Int64(pair // c.top_k)
+            v = ld_global_v4(x_base + (tok * c.k + feat) * 2, ok)
+            w = Int32(0)
+            yv = [Int32(0)] * 4
+            if c.source == "combine_grad":
+                w = ld_global_b32(wts.toint() + Int64(pair) * 4, ok, 0)
+            if c.with_part:
+                yv = ld_global_v4(y_base + (row * c.k + feat) * 2, ok)
+            loads.append((v, w, yv, r))
+        return loads
+
+    def routed_math(self, loads, x_base, y_base, src, wts, part, tok_begin, n_valid, feat0, bx,
+                    m, tid, pairs):
+        """The words of one batch of `routed_issue`'s loads (and their ``part`` sums)."""
+        c = self.cfg
         words = []
-        for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, c.load_batch):
-            loads = []
-            for it in cutlass.range_constexpr(b0, b0 + c.load_batch):
-                r, _, feat, row, pair, ok = self.row_slot(src, it, tid, tok_begin, n_valid,
-                                                          feat0, c.k)
-                tok = Int64(pair // c.top_k)
-                v = ld_global_v4(x_base + (tok * c.k + feat) * 2, ok)
-                w = Int32(0)
-                yv = [Int32(0)] * 4
-                if const_expr(combine):
-                    w = ld_global_b32(wts.toint() + Int64(pair) * 4, ok, 0)
-                if const_expr(c.with_part):
-                    yv = ld_global_v4(y_base + (row * c.k + feat) * 2, ok)
-                loads.append((v, w, yv, r))
-            for li in cutlass.range_constexpr(len(loads)):
-                v, w, yv, r = loads[li]
-                if const_expr(combine):
-                    words.extend([scale_bf16x2(v[j], w) for j in range(4)])
-                else:
-                    words.extend(v)
-                if const_expr(c.with_part):
-                    acc = Int32(0)
-                    for j in cutlass.range_constexpr(4):
-                        acc = dot_bf16x2(acc, v[j], yv[j])
-                    for step in cutlass.range_constexpr(_log2(self.vecs_per_row)):
-                        acc = add_f32_bits(acc, cute.arch.shuffle_sync_bfly(acc, offset=1 << step))
-                    # lane 0 of the row's lanes; every row of [0, M) is in one tile
-                    st_global(part.toint() + (Int64(bx) * m + tok_begin + r) * 4, [acc],
-                              Int32(r < n_valid) & Int32(tid % self.vecs_per_row == 0))
+        for v, w, yv, r in loads:
+            if c.source == "combine_grad":
+                words.extend([scale_bf16x2(v[j], w) for j in range(4)])
+            else:
+                words.extend(v)
+            if c.with_part:
+                acc = Int32(0)
+                for j in range(4):
+                    acc = dot_bf16x2(acc, v[j], yv[j])
+                for step in range(_log2(self.vecs_per_row)):
+                    acc = add_f32_bits(acc, cute.arch.shuffle_sync_bfly(acc, offset=1 << step))
+                # lane 0 of the row's lanes; every row of [0, M) is in one tile
+                st_global(part.toint() + (Int64(bx) * m + tok_begin + r) * 4, [acc],
+                          Int32(r < n_valid) & Int32(tid % self.vecs_per_row == 0))
         return words
 
     @cute.jit
     def swiglu_joint_tile(self, h, da, src, tok_begin, n_valid, feat0, tid, smem_u):
         """The dgate words of gate feature tile ``feat0`` (returned) and its dup words (stored
         in `stash_tile`'s layout at ``smem_u``) from one read of gate, up and dA."""
+        pairs = self.load_pairs(src, tok_begin, n_valid, tid)
+        return self.pipeline(self.joint_issue, self.joint_math,
+                             (h.toint(), da.toint(), src, tid, tok_begin, n_valid, feat0, pairs,
+                              smem_u))
+
+    def joint_issue(self, b, h_base, da_base, src, tid, tok_begin, n_valid, feat0, pairs,
+                    smem_u):
+        """The loads of batch ``b`` of `swiglu_joint_tile` (traced inline)."""
         c = self.cfg
         hidden = c.k // 2
-        h_base, da_base = h.toint(), da.toint()
+        loads = []
+        for it in range(b * c.load_batch, (b + 1) * c.load_batch):
+            r, vec, feat, tok, _, ok, inside = self.row_slot(src, it, tid, tok_begin, n_valid,
+                                                             feat0, hidden, pairs)
+            pred = inside if c.unpredicated else ok
+            row = h_base + (tok * (2 * hidden) + feat) * 2
+            loads.append((ld_global_v4(row, pred), ld_global_v4(row + hidden * 2, pred),
+                          ld_global_v4(da_base + (tok * hidden + feat) * 2, pred), r, vec, ok))
+        return loads
+
+    def joint_math(self, loads, h_base, da_base, src, tid, tok_begin, n_valid, feat0, pairs,
+                   smem_u):
+        """The dgate words of one batch of `joint_issue`'s loads; their dup words to smem."""
+        c = self.cfg
         words = []
-        for b0 in cutlass.range_constexpr(0, self.vecs_per_thread, c.load_batch):
-            loads = []
-            for it in cutlass.range_constexpr(b0, b0 + c.load_batch):
-                r, vec, feat, tok, _, ok = self.row_slot(src, it, tid, tok_begin, n_valid,
-                                                         feat0, hidden)
-                row = h_base + (tok * (2 * hidden) + feat) * 2
-                loads.append((ld_global_v4(row, ok), ld_global_v4(row + hidden * 2, ok),
-                              ld_global_v4(da_base + (tok * hidden + feat) * 2, ok), r, vec))
-            for li in cutlass.range_constexpr(len(loads)):
-                g, u, d, r, vec = loads[li]
-                dup = []
-                for j in cutlass.range_constexpr(4):
-                    dg_w, du_w = swiglu_grad_pair_bf16x2(g[j], u[j], d[j])
-                    words.append(dg_w)
-                    dup.append(du_w)
-                st_shared(smem_u + r * self.row_bytes + vec * VEC_BYTES, dup)
+        for g, u, d, r, vec, ok in loads:
+            dup = []
+            for j in range(4):
+                dg_w, du_w = swiglu_grad_pair_bf16x2(g[j], u[j], d[j])
+                if c.unpredicated:
+                    dg_w = cutlass.select_(ok != 0, dg_w, Int32(0))
+                    du_w = cutlass.select_(ok != 0, du_w, Int32(0))
+                words.append(dg_w)
+                dup.append(du_w)
+            st_shared(smem_u + r * self.row_bytes + vec * VEC_BYTES, dup)
         return words
 
     @cute.jit

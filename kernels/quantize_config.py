@@ -42,8 +42,15 @@ class QuantConfig:
     also the routing weights' partial gradients). Rows whose ``src`` entry is negative, the
     layout's pad rows, are zeros; joint_halves ("swiglu_grad", H % 128 == 0): a CTA writes the
     dgate and the dup tile of one feature tile;
-    load_batch: the SwiGLU sources' 16-byte vectors per input loaded ahead of their arithmetic
-    (1, 2, 4, 8); ctas_per_sm: CTAs an SM the compiler must fit (a register cap; 0: its choice).
+    load_batch: the computed sources' 16-byte vectors per input loaded together (1, 2, 4, 8);
+    load_ahead: batches whose loads go out before the arithmetic of the current one (0: each
+    batch is loaded, then computed; 1: the next batch's loads overlap this one's arithmetic);
+    unpredicated ("swiglu", "swiglu_grad"): the ``h`` and ``dA`` rows load without waiting for
+    their ``src`` entries, pad rows are read and zeroed after (their rows exist: ``M`` rows);
+    speculate_rows (grouping "offs"): the tile loads rows ``[128 t, 128 t + 128)`` while it
+    searches the group tables, which are its rows wherever every group starts on a multiple of
+    128 rows (the 1x128 layer's layout); a tile elsewhere (CTA-uniform) loads again;
+    ctas_per_sm: CTAs an SM the compiler must fit (a register cap; 0: its choice).
     """
 
     dtype: str
@@ -63,3 +70,6 @@ class QuantConfig:
     top_k: int = 1
     with_part: bool = False
     joint_halves: bool = False
+    load_ahead: int = 0
+    unpredicated: bool = False
+    speculate_rows: bool = False

@@ -21,14 +21,48 @@ from .quantize_config import DTYPE_NAMES, TILE_FEATURES, VEC_BYTES, QuantConfig
 
 _cache = CompileCache("quantize", cute=True)
 
-# (load_batch, ctas_per_sm, joint dh tiles) of the SwiGLU sources (H100, 2026-11-27,
-# `benchmarks.bench_rowkernels --quantizer-tunings`): the forward at 3 CTAs an SM (80 registers,
-# no spills; 1.13-1.17x 2 CTAs, 4 CTAs spill) with 2 vectors an input ahead; the backward with
-# joint gate/up tiles at the compiler's 2 CTAs an SM (128 registers; 1.06-1.12x one half a CTA
-# at 3 CTAs, which was 1.02-1.10x both halves' arithmetic a CTA)
-SWIGLU_TUNING = {"swiglu": (2, 3), "swiglu_grad": (2, 0, True)}
-# the dispatch and the combine's backward: their loads are the same vectors at 3 CTAs an SM
-ROUTED_TUNING = (2, 3)
+# `QuantConfig`'s tuning fields of the computed sources, 1x128 and 1x32 blocks alike
+# (`benchmarks.bench_rowkernels --quantizer-tunings`; docs/design/datapath.md, "Stages on the
+# quantizer tile"). H100, 2026-11-27: the SwiGLU forward at 3 CTAs an SM (80 registers, no
+# spills; 1.13-1.17x 2 CTAs) with 2 vectors an input a batch; the backward with joint gate/up
+# tiles at the compiler's 2 CTAs (128 registers; 1.06-1.12x one half a CTA). The next batch's
+# loads ahead of this one's arithmetic, the SwiGLU rows read without waiting for their ``src``
+# entries and the rows guessed before the group search (where groups start on tile
+# boundaries): forward 1.05-1.07x, backward 1.10-1.11x, combine backward 1.00-1.07x; the
+# dispatch with guessed rows 1.03-1.07x (and 1.11-1.22x the Triton kernel it replaced), all
+# bit-identical. Guessing is on only for 1x128 blocks with aligned groups
+# (`_source_tuning`): elsewhere a tile's rows are seldom the guessed ones and it would read
+# twice.
+SOURCE_TUNING = {
+    "swiglu": dict(load_batch=2, ctas_per_sm=3, load_ahead=1, unpredicated=True),
+    "swiglu_grad": dict(load_batch=2, ctas_per_sm=0, joint_halves=True, load_ahead=1,
+                        unpredicated=True, speculate_rows=True),
+    "gather": dict(load_batch=2, ctas_per_sm=3, speculate_rows=True),
+    "combine_grad": dict(load_batch=2, ctas_per_sm=3, load_ahead=1, speculate_rows=True),
+}
+PLAIN_TUNING = dict(load_batch=4, ctas_per_sm=0)  # source "x": the tile's own loads
+TUNING_FIELDS = ("load_batch", "ctas_per_sm", "joint_halves", "load_ahead", "unpredicated",
+                 "speculate_rows")
+
+
+def _source_tuning(source: str, act_block: int, aligned: bool,
+                   tuning: dict | None = None) -> tuple:
+    """The tuning fields of ``source`` (``tuning``: overrides), as hashable items; rows are
+    guessed only where that pays (1x128 blocks, aligned groups) unless ``tuning`` says."""
+    if tuning is None:
+        return _default_tuning(source, act_block, aligned)
+    fields = {**SOURCE_TUNING.get(source, PLAIN_TUNING), **tuning}
+    if bad := sorted(set(fields) - set(TUNING_FIELDS)):
+        raise ValueError(f"quantizer tuning may only set {TUNING_FIELDS}, got {bad}")
+    if "speculate_rows" not in tuning:
+        fields["speculate_rows"] = (fields.get("speculate_rows", False)
+                                    and act_block == F.BLOCK_128 and aligned)
+    return tuple(sorted(fields.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _default_tuning(source: str, act_block: int, aligned: bool) -> tuple:
+    return _source_tuning(source, act_block, aligned, {})
 
 
 def compile_quantizer(op: str, config: QuantConfig, arch: str | None = None, stream=None):
@@ -109,15 +143,17 @@ def _buffer(out, name, shape, dtype, device):
 
 @functools.lru_cache(maxsize=256)
 def _activation_config(dtype: str, rounding: str, k: int, rows: bool, cols: bool, grouped: bool,
-                       col_aligned: bool, act_block: int, source: str, load_batch: int,
-                       ctas_per_sm: int, top_k: int, with_part: bool,
-                       joint_halves: bool) -> QuantConfig:
-    """An activation quantizer's configuration, made once per shape (see `_weights_config`)."""
+                       col_aligned: bool, act_block: int, source: str, top_k: int,
+                       with_part: bool, tuning: tuple) -> QuantConfig:
+    """An activation quantizer's configuration, made once per shape (see `_weights_config`);
+    ``tuning``: `_source_tuning`'s items."""
+    fields = dict(tuning)
+    fields["joint_halves"] = fields.get("joint_halves", False) and source == "swiglu_grad"
+    fields["speculate_rows"] = fields.get("speculate_rows", False) and grouped
     return QuantConfig(dtype=dtype, rounding=rounding, k=k, rows=rows, cols=cols,
                        grouping="offs" if grouped else "none", col_aligned=col_aligned,
-                       act_block=act_block, source=source, load_batch=load_batch,
-                       ctas_per_sm=ctas_per_sm, top_k=top_k, with_part=with_part,
-                       joint_halves=joint_halves and source == "swiglu_grad")
+                       act_block=act_block, source=source, top_k=top_k, with_part=with_part,
+                       **fields)
 
 
 def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
@@ -139,21 +175,22 @@ def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
 
 
 def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out, source="x",
-                      k=None, aux=None, src=None, aligned_groups=False, tuning=(4, 0, False),
+                      k=None, aux=None, src=None, aligned_groups=False, tuning=None,
                       tile_ends=None, m=None, top_k=1, wts=None, part=None):
     """``x (M, K)`` (or, for the other sources, ``m`` rows of ``k`` output features computed
     from ``x``, ``aux``, ``src``, ``wts``) quantized by ``op``; ``aligned_groups``: every
-    ``offs`` group starts on a multiple of 16 rows; ``tile_ends``: `group_tile_ends` of
-    ``offs``, or None to build it here."""
+    ``offs`` group starts on a multiple of 16 rows; ``tuning``: `QuantConfig` tuning fields
+    overriding `SOURCE_TUNING`'s; ``tile_ends``: `group_tile_ends` of ``offs``, or None to
+    build it here."""
     m = x.shape[0] if m is None else m
     k = x.shape[1] if k is None else k
     n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m, tile_ends)
     bufs = _alloc_outputs(m, k, x.device, offs, rows, cols, out)
     aligned = m % VEC_BYTES == 0 and (offs is None or aligned_groups)
-    batch, ctas, joint = (tuple(tuning) + (False,))[:3]
     config = _activation_config(DTYPE_NAMES[x.dtype], rounding, k, rows, cols,
-                                offs is not None, cols and aligned, act_block, source, batch,
-                                ctas, top_k, part is not None, bool(joint))
+                                offs is not None, cols and aligned, act_block, source, top_k,
+                                part is not None,
+                                _source_tuning(source, act_block, aligned, tuning))
     _launch(op, config, x, bufs.get("q_row"), bufs.get("s_row"), bufs.get("q_col"),
             bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles, aux, src, wts,
             part)
@@ -194,59 +231,61 @@ def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
 def quantize_swiglu(h: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, *,
                     rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
                     aligned_groups: bool = False, out: dict | None = None,
-                    tuning: tuple[int, ...] | None = None,
+                    tuning: dict | None = None,
                     tile_ends: torch.Tensor | None = None) -> list:
     """``a = silu(gate) * up`` of ``h = [gate | up] (M, 2H)`` (BF16, PyTorch's roundings; zero
     where ``src < 0``) quantized in the same pass, rows grouped by ``offs``: [(rowwise data,
     scales)] and/or [(columnwise data, scales)] -- `moe_mxfp8.stages.swiglu_ref`'s MXFP8
     copies. ``aligned_groups``: every group starts on a multiple of 16 rows; ``tuning``:
-    ``(load_batch, ctas_per_sm[, joint dh tiles])`` of `QuantConfig` (default
-    `SWIGLU_TUNING`'s); ``tile_ends``: `group_tile_ends` of ``offs`` where the caller has it
-    (built once per step for the row stages), else built here."""
+    `QuantConfig` tuning fields overriding `SOURCE_TUNING`'s (benchmarks); ``tile_ends``:
+    `group_tile_ends` of ``offs`` where the caller has it (built once per step for the row
+    stages), else built here."""
     return _activation_quant("quantize_swiglu", h, "rceil", offs, act_block, rows, cols, out,
                              "swiglu", h.shape[1] // 2, None, src, aligned_groups,
-                             tuning or SWIGLU_TUNING["swiglu"], tile_ends)
+                             tuning, tile_ends)
 
 
 def quantize_swiglu_grad(da: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
                          offs: torch.Tensor, *, rows: bool = True, cols: bool = True,
                          act_block: int = F.BLOCK_SIZE, aligned_groups: bool = False,
-                         out: dict | None = None, tuning: tuple[int, ...] | None = None,
+                         out: dict | None = None, tuning: dict | None = None,
                          tile_ends: torch.Tensor | None = None) -> list:
     """``dh = [dgate | dup] (M, 2H)``, the gradient of `quantize_swiglu`'s ``a`` for ``dA (M,
     H)`` (BF16, as PyTorch's autograd rounds it; zero where ``src < 0``), quantized in the same
-    pass: `moe_mxfp8.stages.swiglu_backward_ref`'s MXFP8 copies (``tile_ends``: as there)."""
+    pass: `moe_mxfp8.stages.swiglu_backward_ref`'s MXFP8 copies (``tuning``, ``tile_ends``: as
+    there)."""
     return _activation_quant("quantize_swiglu_grad", h, "rceil", offs, act_block, rows, cols,
                              out, "swiglu_grad", h.shape[1], da, src, aligned_groups,
-                             tuning or SWIGLU_TUNING["swiglu_grad"], tile_ends)
+                             tuning, tile_ends)
 
 
 def quantize_gather(x: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, top_k: int, *,
                     rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
                     aligned_groups: bool = False, out: dict | None = None,
-                    tile_ends: torch.Tensor | None = None) -> list:
+                    tile_ends: torch.Tensor | None = None, tuning: dict | None = None) -> list:
     """The dispatch: row r of the sorted buffer (``M = src.numel()`` rows) is token ``src[r] //
     top_k`` of ``x (T, D)`` (BF16; zero where ``src < 0``), quantized in the same pass:
-    `moe_mxfp8.stages.dispatch_ref`'s MXFP8 copies."""
+    `moe_mxfp8.stages.dispatch_ref`'s MXFP8 copies (``tuning``: as `quantize_swiglu`'s)."""
     return _activation_quant("quantize_gather", x, "rceil", offs, act_block, rows, cols, out,
                              "gather", x.shape[1], None, src, aligned_groups,
-                             ROUTED_TUNING, tile_ends, src.numel(), top_k)
+                             tuning, tile_ends, src.numel(), top_k)
 
 
 def quantize_combine_grad(dout: torch.Tensor, y: torch.Tensor, src: torch.Tensor,
                           weights: torch.Tensor, offs: torch.Tensor, top_k: int, *,
                           rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
                           aligned_groups: bool = False, part: torch.Tensor | None = None,
-                          out: dict | None = None, tile_ends: torch.Tensor | None = None
-                          ) -> list:
+                          out: dict | None = None, tile_ends: torch.Tensor | None = None,
+                          tuning: dict | None = None) -> list:
     """The combine's backward: row r is ``bf16(dout[t] * bf16(weights[p]))`` for its pair ``p
     = src[r]`` of token ``t = p // top_k`` (zero where ``src < 0``), quantized in the same pass
     (`moe_mxfp8.stages.combine_backward_ref`'s MXFP8 copies); ``weights``: fp32, one per pair.
     ``part`` (fp32 ``(ceil(D / 128), M)``, or None): filled with each row's sum over each
-    128-feature tile of ``bf16(dout[t] * y[r])``, the routing weight's gradient by parts."""
+    128-feature tile of ``bf16(dout[t] * y[r])``, the routing weight's gradient by parts
+    (``tuning``: as `quantize_swiglu`'s)."""
     return _activation_quant("quantize_combine_grad", dout, "rceil", offs, act_block, rows, cols,
                              out, "combine_grad", dout.shape[1], y, src, aligned_groups,
-                             ROUTED_TUNING, tile_ends, src.numel(), top_k, weights, part)
+                             tuning, tile_ends, src.numel(), top_k, weights, part)
 
 
 # one GEMM operand of the weight quantizer: (e4m3 data, packed scales), or None where not wanted

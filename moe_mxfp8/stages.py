@@ -21,10 +21,10 @@ and its autograd, the BF16 combine product and its autograd), so the layer's num
 change. Every stage has a pure-PyTorch reference (``*_ref``, next to it; CPU and CI) and a
 Triton kernel (``moe_mxfp8.kernels.datapath_triton``, used on CUDA when Triton is installed: an
 optional GPU dependency); the GPU tests check the kernels bit for bit against the references.
-The quantized SwiGLU stages and the combine backward run instead as sources of the CuTeDSL
-quantizer tile (`kernels.quantize`, ``source="swiglu"`` / ``"swiglu_grad"`` /
-``"combine_grad"``) wherever the quantizer kernels run (`QUANTIZER_STAGES`;
-docs/design/datapath.md says why).
+The quantized SwiGLU stages, the combine backward and the 1x128 dispatch run instead as
+sources of the CuTeDSL quantizer tile (`kernels.quantize`, ``source="swiglu"`` /
+``"swiglu_grad"`` / ``"combine_grad"`` / ``"gather"``) wherever the quantizer kernels run
+(`QUANTIZER_STAGES`; docs/design/datapath.md says why).
 """
 
 from __future__ import annotations
@@ -79,19 +79,20 @@ def use_triton(t: Tensor, backend: str) -> bool:
 
 # The stages whose MXFP8 outputs come from the CuTeDSL quantizer tile (`kernels.quantize`: the
 # tile's rows computed in its load -- SwiGLU, or gathered and scaled -- then quantized as any
-# tile; one 128 x 128 tile a CTA at 80 registers, 3 CTAs an SM) instead of the Triton kernels,
-# and the activation block lengths they do it for. The dispatch can too ("dispatch"), but ran
-# level with or slower than its Triton kernel (0.96-1.01x, H100, 2026-11-27), so it stays there;
-# docs/design/datapath.md.
-QUANTIZER_STAGES = frozenset({"swiglu", "combine_backward"})
-QUANTIZER_BLOCKS = frozenset({BLOCK_SIZE, BLOCK_128})
+# tile; one 128 x 128 tile a CTA, 2-3 CTAs an SM) instead of the Triton kernels, and the
+# activation block lengths each does it for. The dispatch runs there for 128-blocks, where the
+# groups start on tile boundaries (the 1x128 layout: 1.11-1.22x its Triton kernel, H100,
+# 2026-11-27); its 1x32 blocks stay on Triton. docs/design/datapath.md.
+QUANTIZER_BLOCKS = frozenset({BLOCK_SIZE, BLOCK_128})  # the block lengths the tile makes
+QUANTIZER_STAGES = {"swiglu": QUANTIZER_BLOCKS, "combine_backward": QUANTIZER_BLOCKS,
+                    "dispatch": frozenset({BLOCK_128})}
 
 
 def _on_quantizer(stage: str, t: Tensor, ablk: int, quantized: bool, keep_bf16: bool) -> bool:
     """Whether ``stage`` runs on the quantizer tile: MXFP8 outputs only (the BF16 value is the
     Triton kernel's), BF16 data, and quantizer kernels for this GPU."""
-    return (stage in QUANTIZER_STAGES and quantized and not keep_bf16
-            and ablk in QUANTIZER_BLOCKS and t.dtype == BF16
+    return (quantized and not keep_bf16 and ablk in QUANTIZER_STAGES.get(stage, ())
+            and t.dtype == BF16
             and kernel_backend_for(t.device) is not None and cutedsl_available())
 
 

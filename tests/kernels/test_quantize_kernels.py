@@ -102,6 +102,14 @@ COMPILE_SCRIPT = textwrap.dedent(
                 variants.append(("quantize_combine_grad", C(
                     dt, rnd, 160, True, True, act_block=ab, grouping="offs",
                     source="combine_grad", top_k=3, with_part=True)))
+            # the shipped tunings (loads a batch ahead, unpredicated SwiGLU rows, rows guessed
+            # for 1x128 with aligned groups) as the launcher builds them
+            for (src, k, top_k), ab in itertools.product(
+                    (("swiglu", 2048, 1), ("swiglu_grad", 4096, 1), ("gather", 7168, 2),
+                     ("combine_grad", 160, 3)), (32, 128)):
+                variants.append(("quantize_" + src, Q._activation_config(
+                    dt, rnd, k, True, True, True, True, ab, src, top_k, src == "combine_grad",
+                    Q._source_tuning(src, ab, True))))
         for op, cfg in variants:
             Q.compile_quantizer(op, cfg)
             n += 1
@@ -117,7 +125,7 @@ def test_compile_all_variants(arch):
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled 180" in res.stdout
+    assert "compiled 188" in res.stdout
 
 
 SASS_SCRIPT = textwrap.dedent(
@@ -205,8 +213,43 @@ def test_1x128_instruction_mix(sass):
     assert sass["col128"].count("BAR.SYNC") == sass["col32"].count("BAR.SYNC") + 1
 
 
+def test_source_tuning_guesses_rows_only_where_groups_start_on_tiles():
+    """The computed sources' shipped tunings: rows are guessed only for 1x128 blocks with
+    aligned groups (the 1x128 layer's layout, where the guess holds); an explicit tuning wins;
+    unknown fields are refused."""
+    from moe_mxfp8.kernels import quantize_launch as QL
+
+    def fields(*args, **kw):
+        return dict(QL._source_tuning(*args, **kw))
+
+    for src in ("swiglu_grad", "gather", "combine_grad"):
+        assert fields(src, 128, True)["speculate_rows"]
+        assert not fields(src, 32, True)["speculate_rows"]
+        assert not fields(src, 128, False)["speculate_rows"]
+    assert not fields("swiglu", 128, True)["speculate_rows"]  # no faster there (measured)
+    assert fields("gather", 32, False, {"speculate_rows": True})["speculate_rows"]
+    assert fields("x", 128, True) == {"load_batch": 4, "ctas_per_sm": 0,
+                                      "speculate_rows": False}
+    with pytest.raises(ValueError, match="tuning may only set"):
+        QL._source_tuning("swiglu", 128, True, {"load_depth": 2})
+    cfg = QL._activation_config("bfloat16", "rceil", 256, True, True, False, False, 128,
+                                "gather", 2, False, QL._source_tuning("gather", 128, True))
+    assert not cfg.speculate_rows, "ungrouped rows have nothing to guess"
+
+
 def test_can_implement_explains_refusals():
     from moe_mxfp8.kernels import quantize as Q
+
+    C = Q.QuantConfig
+    bad = Q.SwigluQuantizer(C("bfloat16", "rceil", 256, True, True, source="swiglu",
+                              load_batch=2, load_ahead=4))
+    assert "load_ahead 4 must be below the 4 batches" in bad.can_implement()
+    bad = Q.GatherQuantizer(C("bfloat16", "rceil", 256, True, True, source="gather",
+                              unpredicated=True))
+    assert "SwiGLU sources" in bad.can_implement()
+    bad = Q.GatherQuantizer(C("bfloat16", "rceil", 256, True, True, source="gather",
+                              speculate_rows=True))
+    assert "grouping 'offs'" in bad.can_implement()
 
     bad = Q.RowwiseQuantizer(Q.QuantConfig("bfloat16", "rceil", 48, True, False))
     assert "multiple of 32" in bad.can_implement()
