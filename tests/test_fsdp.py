@@ -36,7 +36,7 @@ from tests.compare import fwd_bwd, sqnr_db
 from tests.spawned import DEVICE, LAYER_BACKEND, free_port, init_rank, leave_worker
 
 BF16 = torch.bfloat16
-DIM, HIDDEN, EXPERTS, TOP_K = 64, 64, 8, 2
+DIM, HIDDEN, EXPERTS, TOP_K = 128, 128, 8, 2  # 128: the 1x128 kernels refuse narrower (datapath)
 TOKENS = {2: [40, 24], 4: [24, 8, 16, 32]}
 REPLICATED_MIN_DB = 40.0  # BF16 gradients summed per rank, then over ranks (as the EP test)
 

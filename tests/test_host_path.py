@@ -63,8 +63,8 @@ def test_mxfp8_step_launches(launches, scale_blocks):
     dual quantizations in the first step and none in the second."""
     torch.manual_seed(0)
     x, dy = torch.randn(2, 40, 128).to(BF16), torch.randn(2, 40, 128).to(BF16)
-    plain = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks)
-    cached = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks, cache_weights=True)
+    plain = MXFP8MoE(128, 128, 8, 2, scale_blocks=scale_blocks)
+    cached = MXFP8MoE(128, 128, 8, 2, scale_blocks=scale_blocks, cache_weights=True)
     tile_dispatch = int(scale_blocks == "1x128")
     for m, counts in ((plain, [12, 12]), (cached, [11, 9])):
         for want in counts:
@@ -88,7 +88,7 @@ def test_swiglu_quantizer_tile_ends_built_once_per_step(launches, monkeypatch, s
     tile_ends = QL.group_tile_ends
     monkeypatch.setattr(QL, "group_tile_ends", lambda offs: built.append(1) or tile_ends(offs))
     torch.manual_seed(0)
-    m = MXFP8MoE(128, 64, 8, 2, scale_blocks=scale_blocks)
+    m = MXFP8MoE(128, 128, 8, 2, scale_blocks=scale_blocks)
     _step(m, torch.randn(80, 128).to(BF16), torch.randn(80, 128).to(BF16))
     assert [n for n, _ in seen] == ["quantize_swiglu", "quantize_swiglu_grad"]
     (_, fwd), (_, bwd) = seen
@@ -99,7 +99,7 @@ def test_bf16_twin_step_launches(launches):
     """The twin's six row kernels (dispatch, SwiGLU, combine and their backward passes), the
     router's 3 and the routing layout's 3."""
     torch.manual_seed(0)
-    m = MXFP8MoE(128, 64, 8, 2, precision="bf16")
+    m = MXFP8MoE(128, 128, 8, 2, precision="bf16")
     _step(m, torch.randn(80, 128).to(BF16), torch.randn(80, 128).to(BF16))
     assert launches == {"triton": 12}
 
@@ -110,8 +110,9 @@ def test_bf16_twin_step_launches(launches):
 # buffers; backward's four operators (`datapath._backward`) pass their tensors as views and the
 # outputs a configuration does not make as empty tensors (about a dozen ops more than one
 # backward operator); the 1x128 dispatch on the quantizer tile allocates its outputs with 3
-# ops fewer than its Triton kernel
-STEP_ATEN_OPS = {"bf16": 114, "1x32": 112, "1x128": 108}
+# ops fewer than its Triton kernel. D = H = 128: the 1x128 kernels refuse widths below 128
+# (`datapath.MIN_WIDTH_1X128_KERNELS`; at H = 64 the 1x128 step took 108)
+STEP_ATEN_OPS = {"bf16": 114, "1x32": 112, "1x128": 109}
 HOST_SYNC_OPS = {"aten.item", "aten._local_scalar_dense", "aten.is_nonzero"}
 
 
@@ -122,7 +123,7 @@ def test_step_aten_ops(probe, launches, variant):
     GPU's branches, not the value checks that run only for CPU tensors."""
     torch.manual_seed(0)
     opts = {"precision": "bf16"} if variant == "bf16" else {"scale_blocks": variant}
-    m = MXFP8MoE(128, 64, 8, 2, **opts)
+    m = MXFP8MoE(128, 128, 8, 2, **opts)
     x, dy = torch.randn(80, 128).to(BF16), torch.randn(80, 128).to(BF16)
     _step(m, x, dy)  # the first step's one-time decisions
     xi = x.clone().requires_grad_()

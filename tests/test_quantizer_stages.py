@@ -30,10 +30,12 @@ quantizer_gpu = pytest.mark.skipif(
     reason="needs a Hopper or Blackwell GPU and CuTeDSL")
 
 # (T, k, E, H, group alignment): uneven groups and an idle expert (`make_routing`); groups on
-# arbitrary rows (shifted columnwise stores), on 16 and on 128 rows (the layer's); H = 96 and
-# 160 end in a partial 128-block; qwen3's H = 768
+# arbitrary rows (shifted columnwise stores), on 16 and on 128 rows (the layer's, where the
+# 1x128 tiles guess their rows); H = 96 and 160 end in a partial 128-block; qwen3's H = 768;
+# H = 32 (D = 64: the dispatch and the combine backward too) fills less than one 128-feature
+# tile, with guessed rows
 _SHAPES = [(300, 8, 16, 160, 16), (1000, 2, 8, 512, 128), (513, 4, 7, 96, 1),
-           (700, 8, 33, 768, 128), (64, 2, 4, 256, 16)]
+           (700, 8, 33, 768, 128), (64, 2, 4, 256, 16), (600, 1, 8, 32, 128)]
 _IDS = "T{}k{}E{}F{}a{}".format
 
 
