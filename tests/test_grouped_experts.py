@@ -93,24 +93,38 @@ def test_bf16_twin_is_the_composition(gen):
     torch.testing.assert_close(ex(x, n), want, rtol=0, atol=0)
 
 
+# (D, H, tokens per expert): the down weight gradient in backward's last phase (its dY operand
+# the smaller), and in its first phase (`datapath.late_down_wgrad` false: few experts, many
+# tokens), where the Hugging Face swap's GPU test found the 1x128 fault at D = 64
+EXPERT_BLOCKS = {"late": (256, 384, [130, 0, 77, 301, 5, 200]), "early": (256, 128, [700, 500])}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("block", sorted(EXPERT_BLOCKS))
 @pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
-def test_gpu_expert_block_matches_reference(gen, scale_blocks):
+def test_gpu_expert_block_matches_reference(gen, scale_blocks, block):
     """On the GPU (Triton data path, CuTeDSL GEMMs) against the reference backend on the CPU:
     output and every gradient within 1 % relative error (same quantized bytes; the GEMMs'
     fp32 sums differ in order), padding rows zero; outputs poisoned by NaN padding rows."""
+    from moe_mxfp8.kernels.mx_format import padded_extent
+
+    from moe_mxfp8 import datapath as DP
+
+    d, h, counts = EXPERT_BLOCKS[block]
     torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-    ref = MXFP8GroupedExperts(256, 384, 6, backend="reference", scale_blocks=scale_blocks,
-                              dtype=BF16)
+    ref = MXFP8GroupedExperts(d, h, len(counts), backend="reference",
+                              scale_blocks=scale_blocks, dtype=BF16)
     ref.init_weights(0.05)
-    dev = MXFP8GroupedExperts(256, 384, 6, scale_blocks=scale_blocks, dtype=BF16,
+    dev = MXFP8GroupedExperts(d, h, len(counts), scale_blocks=scale_blocks, dtype=BF16,
                               device="cuda")
     dev.load_state_dict(ref.state_dict())
-    n = torch.tensor([130, 0, 77, 301, 5, 200])
+    n = torch.tensor(counts)
     m = int(n.sum()) + 9
-    x = torch.randn(m, 256, generator=gen).to(BF16)
+    rows = padded_extent(m, len(counts), 128 if scale_blocks == "1x128" else 16)
+    assert DP.late_down_wgrad(rows, d, len(counts), h, True) == (block == "late")
+    x = torch.randn(m, d, generator=gen).to(BF16)
     x[-9:] = float("nan")
-    dy = torch.randn(m, 256, generator=gen).to(BF16)
+    dy = torch.randn(m, d, generator=gen).to(BF16)
     want = _run(lambda xi: ref(xi, n), ref, x, dy)
     got = _run(lambda xi: dev(xi, n.cuda()), dev, x.cuda(), dy.cuda())
     for a, b in zip(got, want, strict=True):
