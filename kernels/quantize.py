@@ -436,7 +436,6 @@ class TileQuantizer:
         r, vec = self.vec_slot(it, tid)
         feat = feat0 + vec * self.vec_elems
         row = Int64(tok_begin) + r
-        pair = Int32(-1)
         if const_expr(len(pairs) > 0):
             pair = pairs[it]
         else:
