@@ -320,11 +320,11 @@ def grouped_mm(
             together with the rowwise one and save it in FP8 instead of the BF16 ``x`` (default:
             same time, less memory); False re-quantizes x in backward. Same bytes either way.
         scale_blocks: the scale-block recipe. ``"auto"`` (default): the recipe of x's device,
-            `moe_mxfp8.backend.auto_scale_blocks` (today ``"1x32"`` on every device; on
-            Hopper the protocol-chosen `HOPPER_AUTO_SCALE_BLOCKS`); ``"1x32"`` (exact MXFP8, one
-            scale per 32 elements along every GEMM's reduced axis); ``"32x32"`` (one scale per
-            32x32 tile of each expert's W for fprop and dgrad; X, dY and wgrad unchanged);
-            ``"1x128"``
+            `moe_mxfp8.backend.auto_scale_blocks` (on Hopper the protocol-chosen
+            `HOPPER_AUTO_SCALE_BLOCKS`, ``"1x128"``; ``"1x32"`` elsewhere); ``"1x32"`` (exact
+            MXFP8, one scale per 32 elements along every GEMM's reduced axis); ``"32x32"``
+            (one scale per 32x32 tile of each expert's W for fprop and dgrad; X, dY and wgrad
+            unchanged); ``"1x128"``
             (X and dY one scale per 128 elements along the reduced axis, in wgrad per 128
             tokens of a group, W one per 128x128 tile: still valid MXFP8 tensors, and the
             Hopper kernel promotes once per k=128, 4x fewer FP32 ops; see docs/numerics.md).

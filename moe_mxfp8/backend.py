@@ -32,16 +32,14 @@ _warned: set[str] = set()
 
 AUTO = "auto"  # scale_blocks="auto": the recipe chosen per kind of device (`auto_scale_blocks`)
 # The recipe of scale_blocks="auto" on Hopper, chosen by the loss-parity protocol
-# (`python -m train_example.parity --seeds N`): "1x128" where the protocol supports it, else the
-# exact "1x32". H100, GPU preset: 3 seeds x 250 steps (2026-11-26) 1x32 PASS (+0.45 %), 1x128
-# FAIL (-1.68 %, below BF16's loss, outside the 1 % band); 4 seeds x 1000 steps, the preset's
-# length (2026-11-27): 1x128 PASS (-0.69 %). It stays "1x32" -- at 0.54-0.64x the BF16 twin's
-# layer speed where 1x128 runs 0.99-1.39x -- because the 1x128 kernels' weight gradient was
-# measured wrong on an H100 at small model widths (`tests/test_hf.py`, D = H = 64: the down
-# projection's at 9.0-9.6 dB against the module's BF16 gradient where the CPU reference gives 23.7;
-# benchmarks/RESULTS.md, "Training parity"; refused there meanwhile,
-# `datapath.MIN_WIDTH_1X128_KERNELS`): the default moves once that passes.
-HOPPER_AUTO_SCALE_BLOCKS = "1x32"
+# (`python -m train_example.parity --seeds N`) and speed: "1x128" where the protocol supports it,
+# else the exact "1x32". H100, GPU preset: 3 seeds x 250 steps (2026-11-26) 1x32 PASS (+0.45 %),
+# 1x128 FAIL (-1.68 %, below BF16's loss, outside the 1 % band); 4 seeds x 1000 steps, the
+# preset's length (2026-11-27): 1x128 PASS (-0.69 %). So "1x128": 0.99-1.39x the BF16 twin's
+# layer speed where 1x32 runs 0.54-0.64x (benchmarks/RESULTS.md). Its one GPU fault found on the
+# way (a store race in the Hopper wgrad at fewer than 65 output rows: model widths of 64) is
+# fixed and tested (`GroupedGemmSm90.store_boxes`).
+HOPPER_AUTO_SCALE_BLOCKS = "1x128"
 # Kernel backend -> the recipe "auto" means there. Blackwell's tensor cores take 1x32 scales
 # natively, so the exact recipe costs nothing there; everything else (CPU, other GPUs) runs the
 # exact recipe too.

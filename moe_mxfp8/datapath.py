@@ -27,7 +27,6 @@ from torch import Tensor
 
 from . import layout as L
 from . import stages as ST
-from .backend import resolve_backend
 from .config import (
     PRECISIONS,
     WGRAD_MODES,
@@ -75,24 +74,6 @@ def _row_recipe(mx: bool, scale_blocks: str) -> str:
     """The recipe the row kernels and their tables run in: ``scale_blocks`` for the MXFP8
     layer, ``"1x32"`` for the BF16 twin (nothing quantized, 32-row programs)."""
     return scale_blocks if mx else "1x32"
-
-
-# The 1x128 recipe's kernels gave a wrong weight gradient at a model width below one 128-wide
-# tile (H100, 2026-11-27: `tests/test_hf.py`, D = H = 64, the down projection's at 9.0-9.6 dB
-# against the BF16 module where the CPU reference of the recipe gives 23.7; right at D 256 and
-# up). Until the fault is found the layer refuses those widths on the kernels instead of
-# training on it (benchmarks/RESULTS.md, "Training parity").
-MIN_WIDTH_1X128_KERNELS = 128
-
-
-def _check_1x128_widths(scale_blocks: str, dim: int, hidden: int, backend: str,
-                        device: torch.device) -> None:
-    if (scale_blocks == "1x128" and min(dim, hidden) < MIN_WIDTH_1X128_KERNELS
-            and resolve_backend(backend, device) != "reference"):
-        raise ValueError(
-            f"routed_experts: the 1x128 recipe's GPU kernels are known to give a wrong weight "
-            f"gradient at model widths below {MIN_WIDTH_1X128_KERNELS} (dim {dim}, hidden "
-            f"{hidden}); use scale_blocks='1x32' (or the reference backend) at these widths")
 
 
 def _step_tables(like: Tensor, offs: Tensor, m: int, scale_blocks: str, backend: str
@@ -626,8 +607,6 @@ def routed_experts(
             raise TypeError(f"routed_experts: {name} must be bfloat16, got {t.dtype}")
     check_layout("routed_experts", x, numel_of(src), rows=rows, src=src, offs=offs,
                  pairs=numel_of(rows))
-    if precision == "mxfp8":
-        _check_1x128_widths(scale_blocks, x.shape[1], w_down.shape[2], backend, x.device)
     if rows.shape != weights.shape or rows.dim() != 2 or rows.shape[0] != x.shape[0]:
         raise ValueError(f"routed_experts: rows {tuple(rows.shape)} and weights "
                          f"{tuple(weights.shape)} must both be (T={x.shape[0]}, k)")

@@ -133,7 +133,7 @@ class MXFP8MoE(nn.Module):
         scale_blocks: the scale-block recipe of the expert GEMMs (mxfp8 only; one vocabulary
             with `moe_mxfp8.grouped_mm` and the quantizers): ``"auto"`` (default: the recipe of
             the GPU the layer runs on, `moe_mxfp8.backend.auto_scale_blocks` -- on Hopper
-            `HOPPER_AUTO_SCALE_BLOCKS` (the parity protocol's choice, today ``"1x32"``), the
+            `HOPPER_AUTO_SCALE_BLOCKS` (the parity protocol's choice, ``"1x128"``), the
             exact ``"1x32"`` on Blackwell and on CPUs; resolved at the first forward
             on a device and again, with a warning, if the layer moves to another kind of GPU),
             ``"1x32"`` (exact MXFP8), ``"32x32"`` (= ``weight_blocks="32x32"``) or ``"1x128"``

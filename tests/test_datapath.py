@@ -242,34 +242,6 @@ def test_routed_experts_matches_eager_composition(gen, precision, scale_blocks, 
         assert torch.equal(a, b), name
 
 
-def test_1x128_kernels_refused_below_one_tile_width(gen, monkeypatch):
-    """The 1x128 recipe on the kernels at a model width below 128 (a weight gradient measured
-    wrong there on an H100, `DP.MIN_WIDTH_1X128_KERNELS`) is refused with one line before
-    anything runs; the same widths on the reference backend, the 1x32 recipe on the kernels
-    and widths of one tile and more are not."""
-    def layer_step(d, hh, scale_blocks, backend):
-        t, k, e = 16, 2, 4
-        ids, counts = make_routing(gen, t, k, e)
-        rows, src, offs = RT.route_layout(ids, counts, 128 if scale_blocks == "1x128" else 16)
-        x = torch.randn(t, d, generator=gen).to(BF16)
-        wgu = (torch.randn(e, 2 * hh, d, generator=gen) * 0.05).to(BF16)
-        wd = (torch.randn(e, d, hh, generator=gen) * 0.05).to(BF16)
-        return DP.routed_experts(x, wgu, wd, torch.rand(t, k, generator=gen), rows, src, offs,
-                                 precision="mxfp8", scale_blocks=scale_blocks, backend=backend)
-
-    layer_step(64, 64, "1x128", "reference")  # the reference is right there
-    ran = []
-    monkeypatch.setattr(DP, "resolve_backend", lambda backend, device: ran.append(1) or "sm90")
-    for d, hh in ((64, 64), (64, 256), (256, 96)):
-        with pytest.raises(ValueError, match="known to give a wrong weight gradient at model "
-                                             "widths below 128"):
-            layer_step(d, hh, "1x128", "auto")
-    assert len(ran) == 3
-    monkeypatch.setattr(DP, "resolve_backend", lambda backend, device: "reference")
-    layer_step(64, 64, "1x32", "auto")  # not asked for 1x32, nor at one tile's width:
-    layer_step(128, 128, "1x128", "auto")
-
-
 def test_references_against_autograd(gen):
     """dispatch_backward = autograd of the gather (fixed order); combine_backward's dY and dw =
     autograd of the BF16 combine; swiglu_backward = autograd of silu(gate) * up."""

@@ -421,15 +421,19 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         if cutlass.const_expr(self.is_m):
             gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (TILE_M, TILE_K),
                                  (0, None))
-            # column half h of the output tile: B rows of 128-row tile halves * bidx + h
-            gBs = [cute.local_tile(tB, (TILE_N, TILE_K, 1),
-                                   (bidx * self.halves + h, None, grp))[(None, None, 0, None)]
+            # column half h of the output tile: B rows from 128 (halves * bidx + h), reached by
+            # shifting the origin (a tile index along a mode of one tile would name row 0
+            # again, `store_boxes`); rows past N load as zeros
+            gBs = [cute.local_tile(
+                cute.domain_offset(((bidx * self.halves + h) * TILE_N, 0, grp), tB),
+                (TILE_N, TILE_K, 1), (0, None, 0))[(None, None, 0, None)]
                    for h in range(self.halves)]
         else:
             gA = cute.local_tile(cute.domain_offset((0, row0), tA), (TILE_M, TILE_K),
                                  (bidy, None))
-            gBs = [cute.local_tile(cute.domain_offset((0, row0), tB), (TILE_N, TILE_K),
-                                   (bidx * self.halves + h, None)) for h in range(self.halves)]
+            gBs = [cute.local_tile(
+                cute.domain_offset(((bidx * self.halves + h) * TILE_N, row0), tB),
+                (TILE_N, TILE_K), (0, None)) for h in range(self.halves)]
         cl = self.cfg.cluster_n
         # with a cluster, this CTA's TMA moves slice `rank` of the A tile into every CTA
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -690,20 +694,35 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         bar.arrive_and_wait()
         if warp_in_wg == 0:
             out_cols = output_columns(self.mode, self.cfg.n, self.cfg.k)
-            if cutlass.const_expr(self.is_m):
-                gE = cute.local_tile(cute.domain_offset((row, 0), tC), (EPI_BOX, EPI_BOX),
-                                     (0, None))
-            else:
-                gE = cute.local_tile(tC, (EPI_BOX, EPI_BOX, 1),
-                                     (row // EPI_BOX, None, grp))[(None, None, 0, None)]
             tSs, tGg = cute.nvgpu.cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sE, 0, 2),
-                cute.group_modes(gE, 0, 2))
-            for bx in cutlass.range_constexpr(boxes):
-                if col0 + bx * EPI_BOX < out_cols:  # boxes wholly past the end: nothing
-                    cute.copy(tma_c, tSs[(None, cwg * boxes + bx)],
-                              tGg[(None, col0 // EPI_BOX + bx)])
+                cute.group_modes(self.store_boxes(tC, row, grp), 0, 2))
+            # K-grouped rows wholly past N (the second warpgroup's when N <= 64): no stores
+            # (M-grouped rows past the group's end took the direct epilogue)
+            rows_end = Int32(self.cfg.n if not self.is_m else 2**31 - 1)
+            if row < rows_end:
+                for bx in cutlass.range_constexpr(boxes):
+                    if col0 + bx * EPI_BOX < out_cols:  # boxes wholly past the end: nothing
+                        cute.copy(tma_c, tSs[(None, cwg * boxes + bx)],
+                                  tGg[(None, col0 // EPI_BOX + bx)])
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_boxes(self, tC: cute.Tensor, row: Int32, grp: Int32) -> cute.Tensor:
+        """The output boxes of the 64 rows from ``row`` (K-grouped: of group ``grp``'s
+        ``(N, K)`` matrix): ``(EPI_BOX, EPI_BOX, column box)`` TMA coordinates.
+
+        The rows are reached by shifting the tensor's origin (``domain_offset``), never by a
+        tile index along the rows: CuTe gives a mode of one tile stride 0, so with N <= 64 tile
+        index 1 named row 0 again and the second warpgroup's zero rows raced the first one's
+        results onto them (one 128-column half of a tile came out zero now and then; H100,
+        2026-11-27). Shifted, rows past the end stay past it (the TMA unit clips them). The
+        CPU test runs this on coordinate tensors (tests/kernels/test_grouped_gemm_sm90.py)."""
+        if cutlass.const_expr(self.is_m):
+            return cute.local_tile(cute.domain_offset((row, 0), tC), (EPI_BOX, EPI_BOX),
+                                   (0, None))
+        return cute.local_tile(cute.domain_offset((row, 0, grp), tC), (EPI_BOX, EPI_BOX, 1),
+                               (0, None, 0))[(None, None, 0, None)]
 
     @cute.jit
     def consumer_k128_wide(self, pipe, state, acc0: cute.Tensor, acc1: cute.Tensor,

@@ -265,6 +265,48 @@ def test_tile_bounds():
         assert real <= tiles_bound(m, len(sizes), 128)
 
 
+@pytest.mark.parametrize("mode,rows,cols", [("k", 32, 384), ("k", 64, 256), ("k", 96, 256),
+                                             ("k", 160, 288), ("m", 300, 256)])
+def test_output_boxes_name_their_own_rows(mode, rows, cols):
+    """The TMA-store epilogue's boxes (`GroupedGemmSm90.store_boxes`, run on the host on a
+    coordinate tensor of the output's shape): each warpgroup's box ``bx`` starts at its own
+    row and column ``64 bx`` of its own group, never at another warpgroup's rows. With
+    K-grouped N <= 64 the second warpgroup's boxes once named row 0 (a tile index along a
+    mode of one tile; CuTe gives it stride 0) and its zero rows raced the first warpgroup's
+    results there (H100, 2026-11-27: a 128-column half of a tile zero now and then)."""
+    cutlass = pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack
+    from moe_mxfp8.kernels.grouped_gemm import sm90
+
+    groups = 3
+    kern = sm90.GroupedGemmSm90(sm90.GroupedGemmSm90Config(
+        mode, rows if mode == "k" else cols, cols if mode == "k" else 128,
+        scale_blocks="1x128", tile_n=256))
+    # every (row tile, warpgroup) of every group: rows 128 t + 64 w, for t up to one tile past
+    # the last (whole tiles past the end are not walked, but their rows must not alias)
+    starts = [(g, 64 * s) for g in range(groups) for s in range(2 * (-(-rows // 128)))]
+    got = torch.full((len(starts), 4, 3), -1, dtype=torch.int32)
+    shape = (rows, cols, groups) if mode == "k" else (rows, cols)
+
+    @cute.jit
+    def run(out):  # a cute.Tensor (annotation strings resolve in module globals)
+        coords = cute.make_identity_tensor(shape)
+        for i in cutlass.range_constexpr(len(starts)):
+            g, row = starts[i]
+            boxes = kern.store_boxes(coords, cutlass.Int32(row), cutlass.Int32(g))
+            for bx in cutlass.range_constexpr(4):
+                c = boxes[(0, 0, bx)]
+                for j in cutlass.range_constexpr(len(shape)):
+                    out[i, bx, j] = cutlass.Int32(c[j])
+
+    cute.compile(run, from_dlpack(got))(from_dlpack(got))
+    for i, (g, row) in enumerate(starts):
+        for bx in range(4):
+            want = [row, 64 * bx, g][: len(shape)]
+            assert got[i, bx, : len(shape)].tolist() == want, (g, row, bx)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: what only the Hopper kernel has (clusters, its slow copy path, the 1x128 scale check);
 # the numerics every backend shares are in test_grouped_gemm.py
