@@ -70,6 +70,9 @@ SHAPES = {
     "mixtral": LayerShape("mixtral", 8, 32768, 4096, 14336, 2),
     # many small experts and few tokens: a step short enough for the host to be the limit
     "small": LayerShape("small", 64, 4096 * 4, 1024, 512, 4),
+    # one layer of the training example's GPU preset (train_example/model.py, "gpu"): 16 x 1024
+    # tokens a step, D 768, H 1536, 8 experts, top-2
+    "preset": LayerShape("preset", 8, 16384 * 2, 768, 1536, 2),
 }
 
 
