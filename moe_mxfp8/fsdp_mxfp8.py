@@ -15,7 +15,7 @@ Same numerics, bit for bit:
   the gathered BF16 weights; hence the shard size must hold whole experts (E a multiple of the
   shard mesh size: no padded shards), checked at setup;
 * backward's N-axis operand is derived from the gathered K-axis bytes, `weights_along_n`: with
-  32x32 or 128x128 tiles both axes share bytes and scales. The default ``1x32`` recipe has no
+  32x32 or 128x128 tiles both axes share bytes and scales. The exact ``1x32`` recipe has no
   such relation (a 1x32 block along K is not one along N), so the N-axis bytes would have to
   travel too -- 2 bytes per element plus scales, no saving over BF16 -- and the recipe is refused;
 * the bytes are quantized from the shard cast as the BF16 path casts it (FSDP's ``param_dtype``,
@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from . import datapath as DP
+from .backend import AUTO
 from .kernels.mx_format import BLOCK_SIZE, WEIGHT_BLOCK_ROWS, expert_scale_stride
 from .mx_tensor import FP8, MXFP8Tensor
 from .quantize import TILED_WEIGHT_ROWS, quantize_weights, weights_along_n
@@ -66,9 +67,11 @@ def check_layer(layer: Any, shard_size: int) -> None:
     if layer.precision != "mxfp8":
         raise ValueError(f"{who}: needs precision='mxfp8', got {layer.precision!r}")
     if layer.scale_blocks not in MXFP8_GATHER_RECIPES:
+        why = ("it resolves per device, to 1x32 on Blackwell and CPUs" if layer.scale_blocks
+               == AUTO else "1x32 weights need both axes gathered: no saving")
         raise ValueError(
             f"{who}: needs an explicit scale_blocks with tiled weights {MXFP8_GATHER_RECIPES}, "
-            f"got {layer.scale_blocks!r} (1x32 weights need both axes gathered: no saving)")
+            f"got {layer.scale_blocks!r} ({why})")
     if layer.cache_weights:
         raise ValueError(f"{who}: the gathered weights arrive quantized; use cache_weights=False")
     experts = layer.w_gate_up.shape[0]
