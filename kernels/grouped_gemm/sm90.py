@@ -418,22 +418,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
     def tma_producer(self, pipe, state, tma_a, tA: cute.Tensor, tma_b, tB: cute.Tensor,
                      sA: cute.Tensor, sB: cute.Tensor, row0: Int32, bidx: Int32, bidy: Int32,
                      grp: Int32, k_tiles: Int32, rank: Int32):
-        if cutlass.const_expr(self.is_m):
-            gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (TILE_M, TILE_K),
-                                 (0, None))
-            # column half h of the output tile: B rows from 128 (halves * bidx + h), reached by
-            # shifting the origin (a tile index along a mode of one tile would name row 0
-            # again, `store_boxes`); rows past N load as zeros
-            gBs = [cute.local_tile(
-                cute.domain_offset(((bidx * self.halves + h) * TILE_N, 0, grp), tB),
-                (TILE_N, TILE_K, 1), (0, None, 0))[(None, None, 0, None)]
-                   for h in range(self.halves)]
-        else:
-            gA = cute.local_tile(cute.domain_offset((0, row0), tA), (TILE_M, TILE_K),
-                                 (bidy, None))
-            gBs = [cute.local_tile(
-                cute.domain_offset(((bidx * self.halves + h) * TILE_N, row0), tB),
-                (TILE_N, TILE_K), (0, None)) for h in range(self.halves)]
+        gA, gBs = self.operand_tiles(tA, tB, row0, bidx, bidy, grp)
         cl = self.cfg.cluster_n
         # with a cluster, this CTA's TMA moves slice `rank` of the A tile into every CTA
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -460,6 +445,30 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
             pipe.producer_commit(state)
             state.advance()
         return state
+
+    @cute.jit
+    def operand_tiles(self, tA: cute.Tensor, tB: cute.Tensor, row0: Int32, bidx: Int32,
+                      bidy: Int32, grp: Int32):
+        """The TMA tiles of one output tile: A's ``(TILE_M, TILE_K, k-tile)`` and, per column
+        half ``h``, B's (rows from ``128 (halves * bidx + h)``). M-grouped A starts at token row
+        ``row0``, B in expert ``grp``; K-grouped both start at token ``row0`` (A at output row
+        ``128 bidy``). Every origin is reached by shifting (``domain_offset``), never by a tile
+        index along a mode, which names tile 0 again where the mode has one tile (`store_boxes`):
+        B rows past the end then load as zeros. The CPU test runs this on coordinate tensors."""
+        if cutlass.const_expr(self.is_m):
+            gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (TILE_M, TILE_K),
+                                 (0, None))
+            gBs = [cute.local_tile(
+                cute.domain_offset(((bidx * self.halves + h) * TILE_N, 0, grp), tB),
+                (TILE_N, TILE_K, 1), (0, None, 0))[(None, None, 0, None)]
+                   for h in range(self.halves)]
+        else:
+            gA = cute.local_tile(cute.domain_offset((bidy * TILE_M, row0), tA),
+                                 (TILE_M, TILE_K), (0, None))
+            gBs = [cute.local_tile(
+                cute.domain_offset(((bidx * self.halves + h) * TILE_N, row0), tB),
+                (TILE_N, TILE_K), (0, None)) for h in range(self.halves)]
+        return gA, gBs
 
     @cute.jit
     def copy_producer(self, pipe, state, mA: cute.Tensor, mB: cute.Tensor, pA, pB,

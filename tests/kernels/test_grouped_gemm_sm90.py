@@ -307,6 +307,60 @@ def test_output_boxes_name_their_own_rows(mode, rows, cols):
             assert got[i, bx, : len(shape)].tolist() == want, (g, row, bx)
 
 
+@pytest.mark.parametrize("mode,n,k,tile_n", [("m", 96, 256, 256), ("m", 160, 384, 256),
+                                             ("m", 384, 256, 128), ("k", 64, 128, 256),
+                                             ("k", 96, 384, 256), ("k", 160, 256, 128)])
+def test_operand_tiles_start_where_they_should(mode, n, k, tile_n):
+    """The TMA tiles the producer loads (`GroupedGemmSm90.operand_tiles`, run on the host on
+    coordinate tensors of the kernel's views, `GroupedGemmBase.views`): A's k-tile ``kt``
+    starts at its own token row / output row and column ``128 kt``, B's column half ``h`` at
+    row ``128 (halves * bidx + h)`` of its own expert, also where that lies past the end
+    (B rows 0..127 again would be a silent reload; past the end the TMA unit loads zeros)."""
+    cutlass = pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack
+    from moe_mxfp8.kernels.grouped_gemm import sm90
+
+    kern = sm90.GroupedGemmSm90(sm90.GroupedGemmSm90Config(
+        mode, n, k, scale_blocks="1x128", tile_n=tile_n))
+    halves, m, groups = tile_n // 128, 1024, 3
+    # (row0, bidx, bidy, grp): token row starts, x tiles (some past the end), y tiles
+    x_tiles = -(-(n if mode == "m" else k) // tile_n) + 1
+    units = [(r, bx, by, g) for r in (0, 256) for bx in range(x_tiles)
+             for by in ((0,) if mode == "m" else range(-(-n // 128))) for g in range(groups)]
+    got = torch.full((len(units), 1 + halves, 2, 3), -1, dtype=torch.int32)
+    a_shape = (m, k) if mode == "m" else (n, m)
+    b_shape = (n, k, groups) if mode == "m" else (k, m)
+
+    @cute.jit
+    def run(out):  # a cute.Tensor (annotation strings resolve in module globals)
+        ta = cute.make_identity_tensor(a_shape)
+        tb = cute.make_identity_tensor(b_shape)
+        for i in cutlass.range_constexpr(len(units)):
+            row0, bx, by, g = units[i]
+            ga, gbs = kern.operand_tiles(ta, tb, cutlass.Int32(row0), cutlass.Int32(bx),
+                                         cutlass.Int32(by), cutlass.Int32(g))
+            for kt in cutlass.range_constexpr(2):
+                for t, tile in enumerate([ga, *gbs]):
+                    c = tile[(0, 0, kt)]
+                    for j in cutlass.range_constexpr(len(b_shape) if t else 2):
+                        out[i, t, kt, j] = cutlass.Int32(c[j])
+
+    cute.compile(run, from_dlpack(got))(from_dlpack(got))
+    for i, (row0, bx, by, g) in enumerate(units):
+        for kt in range(2):
+            if mode == "m":
+                want_a = [row0, 128 * kt]
+                want_b = [[(bx * halves + h) * 128, 128 * kt, g] for h in range(halves)]
+            else:
+                want_a = [128 * by, row0 + 128 * kt]
+                want_b = [[(bx * halves + h) * 128, row0 + 128 * kt] for h in range(halves)]
+            assert got[i, 0, kt, :2].tolist() == want_a, (row0, bx, by, g, kt)
+            for h in range(halves):
+                assert got[i, 1 + h, kt, : len(want_b[h])].tolist() == want_b[h], (
+                    row0, bx, by, g, kt, h)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: what only the Hopper kernel has (clusters, its slow copy path, the 1x128 scale check);
 # the numerics every backend shares are in test_grouped_gemm.py
