@@ -156,8 +156,10 @@ def _operands(op, recipe, x, dy, w, offs):
         src, axis = (x, "K") if op == "fprop" else (dy, "N")
         a = R.quantize_rowwise_ref(src, offs=offs, scale_blocks=recipe)
         return a, R.quantize_weights_ref(w, axis=axis, block_rows=R.WEIGHT_BLOCK_ROWS[recipe])
+    # the activation operand as the layer and grouped_mm quantize it (1x128: 128 x 128 tiles)
     return (R.quantize_colwise_ref(dy, offs=offs, scale_blocks=recipe),
-            R.quantize_colwise_ref(x, offs=offs, scale_blocks=recipe))
+            R.quantize_colwise_ref(x, offs=offs, scale_blocks=recipe,
+                                   block_rows=R.WGRAD_ACT_BLOCK_ROWS[recipe]))
 
 
 def _gemm_inputs(op: str, e: int, t: int, d: int, n: int, dev: str):

@@ -103,7 +103,8 @@ def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> 
         if kern == "dispatch":
             def fn(ablk=ablk, tuning=tuning):
                 QL.quantize_gather(z["x"], src, offs, z["k"], act_block=ablk,
-                                   aligned_groups=True, out=out, tuning=tuning)
+                                   aligned_groups=True, out=out, tuning=tuning,
+                                   col_tile=ablk == 128)
         elif kern == "combine_bwd":
             def fn(ablk=ablk, tuning=tuning):
                 QL.quantize_combine_grad(z["dout"], z["y"], src, z["w"], offs, z["k"],
@@ -112,7 +113,7 @@ def _quantizer_lines(name: str, kern: str, z: dict, nbytes: int, tunings=()) -> 
         elif kern == "swiglu_fwd":
             def fn(ablk=ablk, tuning=tuning):
                 QL.quantize_swiglu(h, src, offs, act_block=ablk, aligned_groups=True, out=out,
-                                   tuning=tuning)
+                                   tuning=tuning, col_tile=ablk == 128)
         else:
             def fn(ablk=ablk, tuning=tuning):
                 QL.quantize_swiglu_grad(da, h, src, offs, act_block=ablk, aligned_groups=True,
@@ -153,11 +154,12 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
     b_2h = {"bf16": torch.empty(m, 2 * hh, device="cuda", dtype=bf)}
     cases = {  # kernel key, fn, bytes moved; the BF16 twin's kernel (1x32 tables), its bytes
         "swiglu": [
-            ("swiglu_fwd", lambda: K.swiglu_fwd(h, src, tbl, o_h, 128, True), m * hh * 6,
+            ("swiglu_fwd", lambda: K.swiglu_fwd(h, src, tbl, o_h, 128, True, True), m * hh * 6,
              lambda: K.swiglu_fwd(h, src, tbl32, b_h, 32, True), m * hh * 6, h),
             ("swiglu_bwd", lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, 128, True), m * hh * 10,
              lambda: K.swiglu_bwd(da, h, src, tbl32, b_2h, 32, True), m * hh * 10, h)],
-        "dispatch": [("dispatch", lambda: K.dispatch(x, src, tbl, k, o_d, 128, True), m * d * 4,
+        "dispatch": [("dispatch", lambda: K.dispatch(x, src, tbl, k, o_d, 128, True, True),
+                      m * d * 4,
                       None, 0, y)],
         "combine": [("combine_bwd",
                      lambda: K.combine_bwd(dout, y, w, src, tbl, k, o_d, part, 128, True),
@@ -182,7 +184,7 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
                              ("outputs: columnwise only", only(o_h, ("qcol", "scol")),
                               only(o_2h, ("qcol", "scol")))):
             _line(name, "swiglu_fwd", what,
-                  _ms(lambda oh=oh: K.swiglu_fwd(h, src, tbl, oh, 128, True)), m * hh * 6)
+                  _ms(lambda oh=oh: K.swiglu_fwd(h, src, tbl, oh, 128, True, True)), m * hh * 6)
             _line(name, "swiglu_bwd", what,
                   _ms(lambda o2=o2: K.swiglu_bwd(da, h, src, tbl, o2, 128, True)), m * hh * 10)
     for kind in kinds:

@@ -202,6 +202,16 @@ def _col_amax(x):
 
 
 @triton.jit
+def _tile_amax(camax, COLT: tl.constexpr):
+    """Column amaxes ``(CB,)`` -> the same, or (``COLT``: 128 x 128 columnwise tiles, CB ==
+    128 features from a multiple of 128) their maximum for every column (columns past the
+    features hold 0: neutral)."""
+    if COLT:
+        return tl.zeros_like(camax) + tl.max(camax, axis=0)
+    return camax
+
+
+@triton.jit
 def _store_cols(x, inv, rows, rmask, feats, fmask, q_ptr, m, INTERP: tl.constexpr):
     """Columnwise E4M3 bytes of the fp32 tile ``x (RB, CB)`` with the per-feature ``inv`` =
     2^-e, stored transposed at ``q[feat, row]`` (row stride ``m``)."""
@@ -282,14 +292,15 @@ def _write_rows(v, rows, rmask, prow0, ct, cols, cmask, off, n, ld, qr_ptr, sr_p
 def _tile_copies(v, rows, rmask, prow0, ct, cols, cmask, off, n, ld, qr_ptr, sr_ptr, out_ptr,
                  qc_ptr, sc_ptr, M, base, lblk, nblk, nrows, QROW: tl.constexpr,
                  QCOL: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr,
-                 RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr):
+                 RB: tl.constexpr, CB: tl.constexpr, ABLK: tl.constexpr, COLT: tl.constexpr):
     """Every copy of a whole block's tile ``v`` (RB == ABLK), features ``cols`` of ``n`` at
     column ``cols + off``: BF16 and rowwise (`_write_rows`), then the columnwise copy and its
-    scales, so that the tile is dead before the kernel's next tile is needed."""
+    scales (``COLT``: one per 128 x 128 tile), so that the tile is dead before the kernel's
+    next tile is needed."""
     _write_rows(v, rows, rmask, prow0, ct, cols, cmask, off, n, ld, qr_ptr, sr_ptr, out_ptr,
                 QROW, BF16, INTERP, RB, CB, ABLK)
     if QCOL:
-        byte, inv = _scale_from_amax(_col_amax(v))
+        byte, inv = _scale_from_amax(_tile_amax(_col_amax(v), COLT))
         _store_cols(v, inv, rows, rmask, cols + off, cmask, qc_ptr, M, INTERP)
         _store_col_scales(byte, cols + off, cmask, sc_ptr, base, lblk, nblk, nrows, ABLK)
 
@@ -298,11 +309,11 @@ def _tile_copies(v, rows, rmask, prow0, ct, cols, cmask, off, n, ld, qr_ptr, sr_
 def _walk_block(VALUES: tl.constexpr, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
                 out_ptr, F, M, TOPK, RP, QROW: tl.constexpr, QCOL: tl.constexpr,
                 BF16: tl.constexpr, INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                ABLK: tl.constexpr, RALIGN: tl.constexpr):
+                ABLK: tl.constexpr, RALIGN: tl.constexpr, COLT: tl.constexpr):
     """A row-block program whose output tile is ``VALUES(in_ptr, src_ptr, rows, rmask, cols,
     cmask, F, TOPK, INTERP)`` (F features wide): one tile (`_tile_copies`), or the chunk walk of
     the module doc -- BF16 and rowwise copies per chunk, then the columnwise copy from the
-    block's column maxima."""
+    block's column maxima (``COLT``: the tile's maximum, `_tile_amax`)."""
     b, ct = tl.program_id(0), tl.program_id(1)
     rs, re, prow0, tiles, lblk, nblk = _block(tbl_ptr, b, RALIGN)
     cols, cmask = _cols(F, ct, CB)
@@ -311,7 +322,7 @@ def _walk_block(VALUES: tl.constexpr, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, 
         v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
         _tile_copies(v, rows, rmask, prow0, ct, cols, cmask, 0, F, F, qr_ptr, sr_ptr, out_ptr,
                      qc_ptr, sc_ptr, M, tiles * RP * 4, lblk, nblk, re - rs, QROW, QCOL, BF16,
-                     INTERP, RB, CB, ABLK)
+                     INTERP, RB, CB, ABLK, COLT)
         return
     camax = tl.zeros((CB,), dtype=tl.int32)
     for c in range(ABLK // RB):
@@ -322,7 +333,7 @@ def _walk_block(VALUES: tl.constexpr, in_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, 
         if QCOL:
             camax = tl.maximum(camax, _col_amax(v))
     if QCOL:
-        byte, inv = _scale_from_amax(camax)
+        byte, inv = _scale_from_amax(_tile_amax(camax, COLT))
         for c in range(ABLK // RB):  # recompute (inputs from L2): no 128 rows in registers
             rows, rmask = _chunk(rs, re, c, RB)
             v = VALUES(in_ptr, src_ptr, rows, rmask, cols, cmask, F, TOPK, INTERP)
@@ -359,9 +370,9 @@ def _dispatch_kernel(x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, ou
                      D, M, TOPK, RP,
                      QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                      INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                     ABLK: tl.constexpr, RALIGN: tl.constexpr):
+                     ABLK: tl.constexpr, RALIGN: tl.constexpr, COLT: tl.constexpr):
     _walk_block(_dispatch_rows, x_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
-                D, M, TOPK, RP, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN)
+                D, M, TOPK, RP, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN, COLT)
 
 
 @triton.jit
@@ -428,9 +439,9 @@ def _swiglu_fwd_kernel(h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, 
                        H, M, RP,
                        QROW: tl.constexpr, QCOL: tl.constexpr, BF16: tl.constexpr,
                        INTERP: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                       ABLK: tl.constexpr, RALIGN: tl.constexpr):
+                       ABLK: tl.constexpr, RALIGN: tl.constexpr, COLT: tl.constexpr):
     _walk_block(_swiglu_rows, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, out_ptr,
-                H, M, 1, RP, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN)
+                H, M, 1, RP, QROW, QCOL, BF16, INTERP, RB, CB, ABLK, RALIGN, COLT)
 
 
 @triton.jit
@@ -479,14 +490,15 @@ def _swiglu_bwd_kernel(da_ptr, h_ptr, src_ptr, tbl_ptr, qr_ptr, sr_ptr, qc_ptr, 
         if JOINT:
             _tile_copies(tl.where((cols < H)[None, :], dg, dup), rows, rmask, prow0, ct, cols,
                          cmask, 0, 2 * H, 2 * H, qr_ptr, sr_ptr, out_ptr, qc_ptr, sc_ptr, M,
-                         base, lblk, nblk, re - rs, QROW, QCOL, BF16, INTERP, RB, CB, ABLK)
+                         base, lblk, nblk, re - rs, QROW, QCOL, BF16, INTERP, RB, CB, ABLK,
+                         False)
         else:
             _tile_copies(dg, rows, rmask, prow0, ct, cols, cmask, 0, H, 2 * H, qr_ptr, sr_ptr,
                          out_ptr, qc_ptr, sc_ptr, M, base, lblk, nblk, re - rs, QROW, QCOL, BF16,
-                         INTERP, RB, CB, ABLK)
+                         INTERP, RB, CB, ABLK, False)
             _tile_copies(dup, rows, rmask, prow0, ct, cols, cmask, H, H, 2 * H, qr_ptr, sr_ptr,
                          out_ptr, qc_ptr, sc_ptr, M, base, lblk, nblk, re - rs, QROW, QCOL, BF16,
-                         INTERP, RB, CB, ABLK)
+                         INTERP, RB, CB, ABLK, False)
         return
     amax_g = tl.zeros((CB,), dtype=tl.int32)  # JOINT: of dh
     amax_u = tl.zeros((CB,), dtype=tl.int32)
@@ -627,6 +639,12 @@ def _row_meta(ablk: int, aligned: bool, kernel: str) -> dict:
     return meta
 
 
+def _check_col_tile(col_tile: bool, ablk: int) -> None:
+    """128 x 128 columnwise tiles are one 128-feature program's columns over a 128-row block."""
+    if col_tile and (ablk != BLOCK_128 or COL_TILE != BLOCK_128):
+        raise ValueError("128 x 128 columnwise tiles need 128-row activation blocks")
+
+
 def _quant_outs(outs: dict, like: torch.Tensor) -> tuple[list, dict]:
     """Pointers of the five optional outputs (a one-element stand-in where off) and the flags."""
     qr, sr, qc, sc, ob = (outs.get(k) for k in ("qrow", "srow", "qcol", "scol", "bf16"))
@@ -634,17 +652,19 @@ def _quant_outs(outs: dict, like: torch.Tensor) -> tuple[list, dict]:
     return ptrs, {"QROW": qr is not None, "QCOL": qc is not None, "BF16": ob is not None}
 
 
-def dispatch(x, src, tbl, top_k, outs, ablk=BLOCK, aligned=False):
+def dispatch(x, src, tbl, top_k, outs, ablk=BLOCK, aligned=False, col_tile=False):
     """``outs``: dict with any of qrow/srow/qcol/scol (uint8) and bf16 (M, D) preallocated;
     ``tbl``: `block_table` of ``ablk``-row blocks (the activation block length); ``aligned``:
-    every group starts on a multiple of `ROW_ALIGN` rows (a promise: stores rely on it)."""
+    every group starts on a multiple of `ROW_ALIGN` rows (a promise: stores rely on it);
+    ``col_tile``: the columnwise copy in 128 x 128 tiles (``ablk`` 128)."""
+    _check_col_tile(col_tile, ablk)
     d, m = x.shape[1], src.numel()
     if tbl.shape[0] == 0 or d == 0:
         return
     ptrs, flags = _quant_outs(outs, x)
     with on_device(x.device):
         _dispatch_kernel[_grid_rows(tbl, d)](x, src, tbl, *ptrs, d, m, top_k,
-                                             (d + 127) // 128 * 128, **flags,
+                                             (d + 127) // 128 * 128, **flags, COLT=col_tile,
                                              **_row_meta(ablk, aligned, "dispatch"))
 
 
@@ -659,7 +679,8 @@ def gather_sum(src, rows, out):
                                  CB=COL_TILE, num_warps=4)
 
 
-def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
+def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False, col_tile=False):
+    _check_col_tile(col_tile, ablk)
     hh, m = h.shape[1] // 2, src.numel()
     if tbl.shape[0] == 0 or hh == 0:
         return
@@ -667,6 +688,7 @@ def swiglu_fwd(h, src, tbl, outs, ablk=BLOCK, aligned=False):
     with on_device(h.device):
         _swiglu_fwd_kernel[_grid_rows(tbl, hh)](h, src, tbl, *ptrs, hh, m,
                                                 (hh + 127) // 128 * 128, **flags,
+                                                COLT=col_tile,
                                                 **_row_meta(ablk, aligned, "swiglu_fwd"))
 
 

@@ -33,6 +33,12 @@ SCALE_BLOCKS = ("1x32", "32x32", "1x128")
 ACT_BLOCK = {"1x32": 32, "32x32": 32, "1x128": 128}  # activation/gradient block length
 WEIGHT_BLOCK_ROWS = {"1x32": 1, "32x32": 32, "1x128": 128}  # weight tile rows (1: 1x32 blocks)
 BLOCK_128 = 128
+# rows of a columnwise copy ``x.T`` that share a scale: 1, or 128 -- 128 x 128 tiles of 128
+# features x 128 tokens (1x128 blocks only)
+COLWISE_BLOCK_ROWS = (1, BLOCK_128)
+# per recipe, the block_rows of the weight-gradient GEMM's activation operand (the columnwise
+# copy of x or a saved in forward; the gradient operand keeps 1): docs/numerics.md
+WGRAD_ACT_BLOCK_ROWS = {"1x32": 1, "32x32": 1, "1x128": BLOCK_128}
 
 # --- the domain every backend accepts (docs/numerics.md, "Domain: what every backend accepts")
 # Largest extent of one dimension (and of E*N expert rows): kernels pass extents and token

@@ -197,7 +197,9 @@ class TileQuantizer:
         stage_bytes = TILE_FEATURES * STAGE_ROW_BYTES
         self.amax_offset = max(tile_bytes, stage_bytes)  # staging aliases the input tile
         # amax exchange slots: (32-token block, feature) for 1x128 columns, else 32x32 sub-tiles
-        slots = F.TILE_BLOCKS * TILE_FEATURES if self.col128 else SUBTILES if self.tiled else 0
+        # (+ one per warp: the 128 x 128 column tiles' CTA-wide maximum, `column_tile_amax`)
+        slots = (F.TILE_BLOCKS * TILE_FEATURES + (THREADS // 32 if config.col_tile else 0)
+                 if self.col128 else SUBTILES if self.tiled else 0)
         self.smem_region = self.amax_offset + 4 * slots if self.needs_smem else 0
         self.smem_bytes = self.smem_region * (2 if self.joint else 1)
 
@@ -249,6 +251,8 @@ class TileQuantizer:
             return "unpredicated loads are the SwiGLU sources' (their rows exist for pad rows)"
         if c.speculate_rows and c.grouping != "offs":
             return "speculate_rows guesses a grouped tile's rows (grouping 'offs')"
+        if c.col_tile and not (c.cols and c.act_block == F.BLOCK_128 and not self.tiled):
+            return "col_tile (128 x 128 column tiles) needs the 1x128 columnwise output"
         if c.source != "x" and c.k % F.BLOCK_SIZE:
             # whole 16-byte vectors of every input (and, for dh, none across the halves)
             return f"the {c.source!r} source needs a multiple of 32 features, got {c.k}"
@@ -743,7 +747,10 @@ class TileQuantizer:
         if const_expr(self.tiled):
             outs = self.tile_amax(outs, smem, lane)
         if const_expr(self.col128):
-            outs = self.column_amax_128(outs, smem)
+            if const_expr(c.col_tile):
+                outs = self.column_tile_amax(outs, smem, lane, tid)
+            else:
+                outs = self.column_amax_128(outs, smem)
         # 32-token blocks of this tile that hold tokens (the rest of a 128-block is pad)
         blocks_here = cutlass.min((n_valid + (F.BLOCK_SIZE - 1)) // F.BLOCK_SIZE, F.TILE_BLOCKS)
         staged = []
@@ -832,6 +839,22 @@ class TileQuantizer:
                 amax = cutlass.max(amax, ld_shared_b32(self.slot(smem, j * TILE_FEATURES + f)))
             res.append((f, blk, bits, amax))
         return res
+
+    @cute.jit
+    def column_tile_amax(self, outs, smem, lane, tid):
+        """1x128 along the tokens with 128 x 128 tiles (``col_tile``): the whole tile's amax
+        for every feature -- the maximum of this thread's 32-token block amaxes, of its warp's
+        (butterfly), then of the warps' (one shared slot each, past the 1x128 slots)."""
+        amax = outs[0][3]
+        for oi in cutlass.range_constexpr(1, len(outs)):
+            amax = cutlass.max(amax, outs[oi][3])
+        for step in cutlass.range_constexpr(5):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << step))
+        base = F.TILE_BLOCKS * TILE_FEATURES
+        st_shared_pred(self.slot(smem, base + tid // 32), amax, Int32(lane == 0))
+        cute.arch.sync_threads()
+        whole = self.slots_max(smem, range(base, base + THREADS // 32))
+        return [(f, blk, bits, whole) for f, blk, bits, _ in outs]
 
     @cute.jit
     def write_cols(self, q_col, smem, tok_begin, n_valid, feat0, t, t_first, g, m, tid):

@@ -50,7 +50,10 @@ class QuantConfig:
     speculate_rows (grouping "offs"): the tile loads rows ``[128 t, 128 t + 128)`` while it
     searches the group tables, which are its rows wherever every group starts on a multiple of
     128 rows (the 1x128 layer's layout); a tile elsewhere (CTA-uniform) loads again;
-    ctas_per_sm: CTAs an SM the compiler must fit (a register cap; 0: its choice).
+    ctas_per_sm: CTAs an SM the compiler must fit (a register cap; 0: its choice);
+    col_tile (``act_block`` 128, columnwise output): one scale per 128 x 128 tile of the
+    columnwise copy -- the tile's 128 features share each 128-token block's scale (the
+    weight-gradient GEMM's activation operand, docs/numerics.md "The 1x128 recipe").
     """
 
     dtype: str
@@ -73,3 +76,4 @@ class QuantConfig:
     load_ahead: int = 0
     unpredicated: bool = False
     speculate_rows: bool = False
+    col_tile: bool = False

@@ -144,16 +144,17 @@ def _buffer(out, name, shape, dtype, device):
 @functools.lru_cache(maxsize=256)
 def _activation_config(dtype: str, rounding: str, k: int, rows: bool, cols: bool, grouped: bool,
                        col_aligned: bool, act_block: int, source: str, top_k: int,
-                       with_part: bool, tuning: tuple) -> QuantConfig:
+                       with_part: bool, tuning: tuple, col_tile: bool = False) -> QuantConfig:
     """An activation quantizer's configuration, made once per shape (see `_weights_config`);
-    ``tuning``: `_source_tuning`'s items."""
+    ``tuning``: `_source_tuning`'s items; ``col_tile``: the columnwise copy in 128 x 128
+    tiles."""
     fields = dict(tuning)
     fields["joint_halves"] = fields.get("joint_halves", False) and source == "swiglu_grad"
     fields["speculate_rows"] = fields.get("speculate_rows", False) and grouped
     return QuantConfig(dtype=dtype, rounding=rounding, k=k, rows=rows, cols=cols,
                        grouping="offs" if grouped else "none", col_aligned=col_aligned,
                        act_block=act_block, source=source, top_k=top_k, with_part=with_part,
-                       **fields)
+                       col_tile=col_tile, **fields)
 
 
 def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
@@ -176,12 +177,12 @@ def _alloc_outputs(m, k, device, offs, rows: bool, cols: bool, out=None):
 
 def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out, source="x",
                       k=None, aux=None, src=None, aligned_groups=False, tuning=None,
-                      tile_ends=None, m=None, top_k=1, wts=None, part=None):
+                      tile_ends=None, m=None, top_k=1, wts=None, part=None, col_tile=False):
     """``x (M, K)`` (or, for the other sources, ``m`` rows of ``k`` output features computed
     from ``x``, ``aux``, ``src``, ``wts``) quantized by ``op``; ``aligned_groups``: every
     ``offs`` group starts on a multiple of 16 rows; ``tuning``: `QuantConfig` tuning fields
     overriding `SOURCE_TUNING`'s; ``tile_ends``: `group_tile_ends` of ``offs``, or None to
-    build it here."""
+    build it here; ``col_tile``: the columnwise copy in 128 x 128 tiles (1x128 blocks)."""
     m = x.shape[0] if m is None else m
     k = x.shape[1] if k is None else k
     n_groups, tile_ends, steps, n_vtiles = _group_tables(offs, m, tile_ends)
@@ -190,7 +191,8 @@ def _activation_quant(op, x, rounding, offs, act_block, rows, cols, out, source=
     config = _activation_config(DTYPE_NAMES[x.dtype], rounding, k, rows, cols,
                                 offs is not None, cols and aligned, act_block, source, top_k,
                                 part is not None,
-                                _source_tuning(source, act_block, aligned, tuning))
+                                _source_tuning(source, act_block, aligned, tuning),
+                                col_tile and cols)
     _launch(op, config, x, bufs.get("q_row"), bufs.get("s_row"), bufs.get("q_col"),
             bufs.get("s_col"), offs, tile_ends, m, n_groups, steps, n_vtiles, aux, src, wts,
             part)
@@ -213,18 +215,21 @@ def quantize_rowwise(x: torch.Tensor, *, rounding: str = "rceil",
 
 def quantize_colwise(x: torch.Tensor, *, rounding: str = "rceil",
                      offs: torch.Tensor | None = None, act_block: int = F.BLOCK_SIZE,
-                     out: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     out: dict | None = None,
+                     col_tile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x (M, K)`` -> (e4m3 ``x.T (K, M)``, packed scales); with ``offs``, blocks restart at
-    each group start (the "k" layout)."""
+    each group start (the "k" layout); ``col_tile``: 128 x 128 tiles (1x128 blocks)."""
     return _activation_quant("quantize_colwise", x, rounding, offs, act_block, False, True,
-                             out)[0]
+                             out, col_tile=col_tile)[0]
 
 
 def quantize_dual(x: torch.Tensor, *, rounding: str = "rceil",
                   offs: torch.Tensor | None = None, act_block: int = F.BLOCK_SIZE,
-                  out: dict | None = None):
-    """One read of ``x``: ((rowwise data, scales), (columnwise data, scales))."""
-    row, col = _activation_quant("quantize_dual", x, rounding, offs, act_block, True, True, out)
+                  out: dict | None = None, col_tile: bool = False):
+    """One read of ``x``: ((rowwise data, scales), (columnwise data, scales)); ``col_tile``:
+    the columnwise copy in 128 x 128 tiles."""
+    row, col = _activation_quant("quantize_dual", x, rounding, offs, act_block, True, True, out,
+                                 col_tile=col_tile)
     return row, col
 
 
@@ -232,17 +237,17 @@ def quantize_swiglu(h: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, *,
                     rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
                     aligned_groups: bool = False, out: dict | None = None,
                     tuning: dict | None = None,
-                    tile_ends: torch.Tensor | None = None) -> list:
+                    tile_ends: torch.Tensor | None = None, col_tile: bool = False) -> list:
     """``a = silu(gate) * up`` of ``h = [gate | up] (M, 2H)`` (BF16, PyTorch's roundings; zero
     where ``src < 0``) quantized in the same pass, rows grouped by ``offs``: [(rowwise data,
     scales)] and/or [(columnwise data, scales)] -- `moe_mxfp8.stages.swiglu_ref`'s MXFP8
     copies. ``aligned_groups``: every group starts on a multiple of 16 rows; ``tuning``:
     `QuantConfig` tuning fields overriding `SOURCE_TUNING`'s (benchmarks); ``tile_ends``:
     `group_tile_ends` of ``offs`` where the caller has it (built once per step for the row
-    stages), else built here."""
+    stages), else built here; ``col_tile``: the columnwise copy in 128 x 128 tiles."""
     return _activation_quant("quantize_swiglu", h, "rceil", offs, act_block, rows, cols, out,
                              "swiglu", h.shape[1] // 2, None, src, aligned_groups,
-                             tuning, tile_ends)
+                             tuning, tile_ends, col_tile=col_tile)
 
 
 def quantize_swiglu_grad(da: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
@@ -262,13 +267,15 @@ def quantize_swiglu_grad(da: torch.Tensor, h: torch.Tensor, src: torch.Tensor,
 def quantize_gather(x: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, top_k: int, *,
                     rows: bool = True, cols: bool = True, act_block: int = F.BLOCK_SIZE,
                     aligned_groups: bool = False, out: dict | None = None,
-                    tile_ends: torch.Tensor | None = None, tuning: dict | None = None) -> list:
+                    tile_ends: torch.Tensor | None = None, tuning: dict | None = None,
+                    col_tile: bool = False) -> list:
     """The dispatch: row r of the sorted buffer (``M = src.numel()`` rows) is token ``src[r] //
     top_k`` of ``x (T, D)`` (BF16; zero where ``src < 0``), quantized in the same pass:
-    `moe_mxfp8.stages.dispatch_ref`'s MXFP8 copies (``tuning``: as `quantize_swiglu`'s)."""
+    `moe_mxfp8.stages.dispatch_ref`'s MXFP8 copies (``tuning``, ``col_tile``: as
+    `quantize_swiglu`'s)."""
     return _activation_quant("quantize_gather", x, "rceil", offs, act_block, rows, cols, out,
                              "gather", x.shape[1], None, src, aligned_groups,
-                             tuning, tile_ends, src.numel(), top_k)
+                             tuning, tile_ends, src.numel(), top_k, col_tile=col_tile)
 
 
 def quantize_combine_grad(dout: torch.Tensor, y: torch.Tensor, src: torch.Tensor,

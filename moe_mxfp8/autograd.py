@@ -56,7 +56,7 @@ from .backend import AUTO, auto_scale_blocks
 from .checks import COMPUTE_DTYPE
 from .config import WGRAD_MODES, check_choice, check_scale_blocks, resolve_scale_blocks
 from .grouped_gemm import grouped_mm_k, grouped_mm_m
-from .kernels.mx_format import K_GROUP_ALIGN
+from .kernels.mx_format import K_GROUP_ALIGN, WGRAD_ACT_BLOCK_ROWS
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
 from .quantize import quantize_colwise, quantize_dual, quantize_rowwise, quantize_weights
@@ -134,7 +134,8 @@ def _grouped_mm_fwd(
     x = x.contiguous()
     sb = scale_blocks
     if save_colwise:
-        xq, xtq = quantize_dual(x, offs=offs, backend=backend, scale_blocks=sb)
+        xq, xtq = quantize_dual(x, offs=offs, backend=backend, scale_blocks=sb,
+                                col_block_rows=WGRAD_ACT_BLOCK_ROWS[sb])
         xt_data, xt_scale = xtq.data.view(torch.uint8), xtq.scale
     else:
         xq = quantize_rowwise(x, offs=offs, backend=backend, scale_blocks=sb)
@@ -223,10 +224,11 @@ def _grouped_mm_bwd(
             dw = torch._grouped_mm(dy.t(), x.contiguous(), offs=offs)
         else:
             if xt_data is not None:
-                xtq = MXFP8Tensor(xt_data.view(FP8), xt_scale, "packed", offs, "k")
+                xtq = MXFP8Tensor(xt_data.view(FP8), xt_scale, "packed", offs, "k",
+                                  WGRAD_ACT_BLOCK_ROWS[sb])
             else:
                 xtq = quantize_colwise(x.contiguous(), offs=offs, backend=backend,
-                                       scale_blocks=sb)
+                                       scale_blocks=sb, block_rows=WGRAD_ACT_BLOCK_ROWS[sb])
             # aligned_groups: every group starts on a multiple of 16 rows (the odd-M padding
             # above only grows the last group), so the kernels skip their re-layout
             dw = grouped_mm_k(dytq, xtq, offs, out_dtype=COMPUTE_DTYPE, backend=backend,

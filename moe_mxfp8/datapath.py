@@ -233,7 +233,9 @@ def _weight_grad(dyc: MXFP8Tensor, dyb: Tensor, saved: Tensor, saved_scale: Tens
     """A weight gradient ``dy^T @ saved`` per group: from the columnwise MXFP8 copies (``dyc``
     and the saved FP8 operand, ``qcol``) or the BF16 ones (``dyb`` and the saved int16 bits)."""
     if qcol:
-        col = MXFP8Tensor(saved.view(FP8), saved_scale, "packed", offs, "k")
+        # the saved copy is a forward stage's: 128 x 128 tiles for 1x128 (stages.forward_col_rows)
+        col = MXFP8Tensor(saved.view(FP8), saved_scale, "packed", offs, "k",
+                          ST.forward_col_rows(scale_blocks))
         return grouped_mm_k(dyc, col, offs, out_dtype=BF16, backend=backend, aligned_groups=True,
                             scale_blocks=scale_blocks)
     return torch._grouped_mm(dyb.t(), saved.view(BF16), offs=offs)

@@ -39,8 +39,9 @@ class MXFP8Tensor:
         group_axis: None; ``"rows"`` (offs splits dim 0; each group's scale rows start on a
             128-row tile); ``"k"`` (offs splits the last dim; blocks restart per group); or
             ``"experts"`` (3D data, one packed matrix per expert).
-        block_rows: 1 for 1x32 blocks; 32 for the 32x32 weight mode (one scale per 32x32 tile,
-            replicated over its 32 rows).
+        block_rows: rows sharing each block's scale (replicated over them): 1 for blocks of one
+            row; 32 / 128 for weights in 32x32 / 128x128 tiles; 128 for a 1x128 columnwise copy
+            in 128 x 128 tiles (the weight gradient's activation operand, docs/numerics.md).
     """
 
     data: torch.Tensor

@@ -44,10 +44,10 @@ def _kernel_offs(offs: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _colwise_ref(x: torch.Tensor, rounding: str, scale_layout: str, offs,
-                 scale_blocks: str = "1x32"):
+                 scale_blocks: str = "1x32", block_rows: int = 1):
     """The reference colwise, plus K == 0 with groups (the reference's reshape needs K > 0)."""
     if x.shape[1] or offs is None:
-        return R.quantize_colwise_ref(x, rounding, scale_layout, offs, scale_blocks)
+        return R.quantize_colwise_ref(x, rounding, scale_layout, offs, scale_blocks, block_rows)
     m = x.shape[0]
     data = torch.empty(0, m, dtype=torch.float8_e4m3fn, device=x.device)
     if scale_layout == "dense":
@@ -55,7 +55,7 @@ def _colwise_ref(x: torch.Tensor, rounding: str, scale_layout: str, offs,
     else:
         scale = torch.zeros(L.grouped_k_scale_bytes(0, m, offs.numel()), dtype=torch.uint8,
                             device=x.device)
-    return MXFP8Tensor(data, scale, scale_layout, offs, "k")
+    return MXFP8Tensor(data, scale, scale_layout, offs, "k", block_rows)
 
 
 def _kernel_module():
@@ -83,9 +83,17 @@ def _row_tensor(data_scale: tuple[torch.Tensor, torch.Tensor], offs) -> MXFP8Ten
     return MXFP8Tensor(*data_scale, "packed", offs, "rows" if offs is not None else None)
 
 
-def _col_tensor(data_scale: tuple[torch.Tensor, torch.Tensor], offs) -> MXFP8Tensor:
+def _col_tensor(data_scale: tuple[torch.Tensor, torch.Tensor], offs,
+                block_rows: int = 1) -> MXFP8Tensor:
     """A columnwise kernel result (``x.T`` data, packed scales) as an `MXFP8Tensor`."""
-    return MXFP8Tensor(*data_scale, "packed", offs, "k" if offs is not None else None)
+    return MXFP8Tensor(*data_scale, "packed", offs, "k" if offs is not None else None,
+                       block_rows)
+
+
+def _col_tiles(scale_blocks: str, block_rows: int) -> bool:
+    """Whether a columnwise copy is in 128 x 128 tiles (``block_rows`` checked: 1, or 128 with
+    ``scale_blocks="1x128"``)."""
+    return R.colwise_tiles(scale_blocks, block_rows)
 
 
 def quantize_rowwise(
@@ -112,6 +120,7 @@ def quantize_rowwise(
 def quantize_colwise(
     x: torch.Tensor, *, rounding: str = "rceil", scale_layout: str = "packed",
     offs: torch.Tensor | None = None, backend: str | None = "auto", scale_blocks: str = "1x32",
+    block_rows: int = 1,
 ) -> MXFP8Tensor:
     """``x (M, K)`` -> MXFP8 of ``x.T``: data ``(K, M)`` contiguous, blocks of 32 along M.
 
@@ -119,32 +128,39 @@ def quantize_colwise(
 
     ``offs`` (groups along M): blocks restart at each group start; a group's last block is
     virtually zero-padded; scales packed per group (the 2D x 2D grouped convention).
+    ``block_rows=128`` (with ``scale_blocks="1x128"``): one scale per 128 x 128 tile, 128
+    features sharing each 128-token block's scale (docs/numerics.md, "The 1x128 recipe").
     """
     _check_common("quantize_colwise", "x", x, 2, rounding, scale_layout, offs)
     block = _act_block(scale_blocks)
+    tiles = _col_tiles(scale_blocks, block_rows)
     if resolve_backend(backend, x.device) == "reference":
-        return _colwise_ref(x, rounding, scale_layout, offs, scale_blocks)
+        return _colwise_ref(x, rounding, scale_layout, offs, scale_blocks, block_rows)
     offs = _kernel_offs(offs)
     out = _col_tensor(_kernel_module().quantize_colwise(
-        C.kernel_input(x), rounding=rounding, offs=offs, act_block=block), offs)
+        C.kernel_input(x), rounding=rounding, offs=offs, act_block=block, col_tile=tiles), offs,
+        block_rows)
     return out if scale_layout == "packed" else _to_dense(out)
 
 
 def quantize_dual(
     x: torch.Tensor, *, rounding: str = "rceil", scale_layout: str = "packed",
     offs: torch.Tensor | None = None, backend: str | None = "auto", scale_blocks: str = "1x32",
+    col_block_rows: int = 1,
 ) -> tuple[MXFP8Tensor, MXFP8Tensor]:
-    """Both orientations of ``x (M, K)`` from one read: (rowwise ``(M, K)``, colwise ``(K, M)``)."""
+    """Both orientations of ``x (M, K)`` from one read: (rowwise ``(M, K)``, colwise ``(K, M)``);
+    ``col_block_rows``: the colwise copy's ``block_rows`` (`quantize_colwise`)."""
     _check_common("quantize_dual", "x", x, 2, rounding, scale_layout, offs)
     C.check_multiple_of("x", x.shape[1], L.BLOCK_SIZE, "the last dim (K)")
     block = _act_block(scale_blocks)
+    tiles = _col_tiles(scale_blocks, col_block_rows)
     if resolve_backend(backend, x.device) == "reference":
         return (R.quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks),
-                _colwise_ref(x, rounding, scale_layout, offs, scale_blocks))
+                _colwise_ref(x, rounding, scale_layout, offs, scale_blocks, col_block_rows))
     offs = _kernel_offs(offs)
     row, col = _kernel_module().quantize_dual(C.kernel_input(x), rounding=rounding, offs=offs,
-                                              act_block=block)
-    row, col = _row_tensor(row, offs), _col_tensor(col, offs)
+                                              act_block=block, col_tile=tiles)
+    row, col = _row_tensor(row, offs), _col_tensor(col, offs, col_block_rows)
     if scale_layout == "dense":
         return _to_dense(row), _to_dense(col)
     return row, col

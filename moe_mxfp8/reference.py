@@ -32,6 +32,7 @@ from . import layout as L
 from .kernels.mx_format import (  # noqa: F401  (the format's constants, re-exported here)
     ACT_BLOCK,
     BLOCK_128,
+    COLWISE_BLOCK_ROWS,
     E4M3_EMAX_BIASED,
     E4M3_MAX,
     E8M0_BIAS,
@@ -40,6 +41,7 @@ from .kernels.mx_format import (  # noqa: F401  (the format's constants, re-expo
     RCEIL_MANTISSA_THRESHOLD,
     SCALE_BLOCKS,
     WEIGHT_BLOCK_ROWS,
+    WGRAD_ACT_BLOCK_ROWS,
     group_blocks_bound,
 )
 from .mx_tensor import MXFP8Tensor, e8m0_to_float32  # noqa: F401  (part of the reference)
@@ -157,15 +159,18 @@ def _quantize_lastdim_128(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor,
 
 
 def _quantize_rows_dim0(
-    xp: torch.Tensor, rounding: str, block: int
+    xp: torch.Tensor, rounding: str, block: int, tiles: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``xp (..., P, K)``, ``P`` a multiple of ``block`` (32 or 128): blocks of ``block``
     consecutive rows per column. Returns e4m3 ``(..., P, K)`` and dense scales
-    ``(..., P/32, K)`` (a 128-block's byte repeated for its four 32-blocks)."""
+    ``(..., P/32, K)`` (a 128-block's byte repeated for its four 32-blocks). ``tiles``: each
+    block's scale shared over 128 columns (`_feature_tile_amax`)."""
     *lead, p, k = xp.shape
     per32 = block // L.BLOCK_SIZE
     blocks = xp.reshape(*lead, p // block, per32, L.BLOCK_SIZE, k)
     amax = _amax_bits(blocks, (-3, -2))  # (..., P/block, K)
+    if tiles:
+        amax = _feature_tile_amax(amax)
     q, s = _quantize_with_amax(blocks, amax[..., None, None, :], rounding)
     s = s[..., 0, :].expand(*lead, p // block, per32, k).reshape(*lead, p // L.BLOCK_SIZE, k)
     return q.reshape(*lead, p, k), s
@@ -254,7 +259,7 @@ def quantize_rowwise_ref(
 
 def quantize_colwise_ref(
     x: torch.Tensor, rounding: str = "rceil", scale_layout: str = "packed",
-    offs: torch.Tensor | None = None, scale_blocks: str = "1x32",
+    offs: torch.Tensor | None = None, scale_blocks: str = "1x32", block_rows: int = 1,
 ) -> MXFP8Tensor:
     """``x (M, K)`` -> MXFP8 of ``x.T`` ``(K, M)``, blocks of 32 along M.
 
@@ -262,23 +267,27 @@ def quantize_colwise_ref(
     last block is virtually zero-padded; scales are packed per group (docs/numerics.md,
     "Groups (Mixture of Experts)").
     ``scale_blocks="1x128"``: 128-blocks restart at each group's first token too, and each of
-    their 32-blocks carries the 128-block's scale.
+    their 32-blocks carries the 128-block's scale. ``block_rows=128`` (1x128 only): one scale
+    per 128 x 128 tile -- 128 consecutive rows of ``x.T`` (features ``[128 i, 128 i + 128)``)
+    share each 128-block's scale, their joint amax's (the weight-gradient GEMM's activation
+    operand, docs/numerics.md "The 1x128 recipe").
 
     Computed in x's own (M, K) layout, blocks running down the rows (whole rows move, no
     strided gathers), and transposed once at the end, in FP8.
     """
     x = _as_quantizable(x)
     b128 = _act_block(scale_blocks) == BLOCK_128
+    tiles = colwise_tiles(scale_blocks, block_rows)
     m, k = x.shape
     if offs is None:
         block = BLOCK_128 if b128 else L.BLOCK_SIZE
         mp = L.round_up(m, block)
         xp = torch.nn.functional.pad(x, (0, 0, 0, mp - m)) if mp != m else x
-        q, dense = _quantize_rows_dim0(xp, rounding, block)
+        q, dense = _quantize_rows_dim0(xp, rounding, block, tiles)
         q = _transpose_bytes(q[:m])
         dense = dense[: L.ceil_div(m, L.BLOCK_SIZE)].t().contiguous()
         scale = dense if scale_layout == "dense" else _pack_plain(dense)
-        return MXFP8Tensor(q, scale, scale_layout)
+        return MXFP8Tensor(q, scale, scale_layout, block_rows=block_rows)
 
     # Static bound on the number of blocks: sum_g ceil(m_g/32) <= (M + 31 G) // 32.
     nb_bound = group_blocks_bound(m, offs.numel(), L.BLOCK_SIZE)
@@ -309,6 +318,8 @@ def quantize_colwise_ref(
         amax128 = amax.new_zeros(nb_bound + 1, k)  # |amax| bits >= 0: zeros are neutral
         amax128.scatter_reduce_(0, key[:, None].expand(-1, k), amax, "amax")
         amax = amax128.index_select(0, key)
+    if tiles:
+        amax = _feature_tile_amax(amax)
     qb, dense_all = _quantize_with_amax(blocks, amax[:, None, :], rounding)
     dense_all = dense_all[:, 0]  # (nb_bound, K)
     q = _transpose_bytes(qb.reshape(p, k).view(torch.uint8).index_select(0, row))
@@ -322,7 +333,29 @@ def quantize_colwise_ref(
         scale = torch.zeros(nbytes + 1, dtype=torch.uint8, device=x.device)
         scale[off.t().reshape(-1)] = dense_all.reshape(-1)
         scale = scale[:nbytes]
-    return MXFP8Tensor(q, scale, scale_layout, offs, "k")
+    return MXFP8Tensor(q, scale, scale_layout, offs, "k", block_rows)
+
+
+def colwise_tiles(scale_blocks: str, block_rows: int) -> bool:
+    """Whether a columnwise copy shares its 128-blocks' scales over 128 features (the
+    ``block_rows`` of `quantize_colwise_ref`, checked)."""
+    if block_rows not in COLWISE_BLOCK_ROWS:
+        raise ValueError(f"block_rows of a columnwise copy must be one of "
+                         f"{COLWISE_BLOCK_ROWS}, got {block_rows}")
+    if block_rows != 1 and _act_block(scale_blocks) != BLOCK_128:
+        raise ValueError("128 x 128 columnwise tiles (block_rows=128) need scale_blocks='1x128'")
+    return block_rows != 1
+
+
+def _feature_tile_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``amax (..., K)`` |amax| bits per feature -> each feature's 128-feature tile maximum
+    (features past K count as 0, neutral)."""
+    k = amax.shape[-1]
+    kp = L.round_up(k, BLOCK_128)
+    padded = torch.nn.functional.pad(amax, (0, kp - k)) if kp != k else amax
+    tiles = padded.view(*amax.shape[:-1], kp // BLOCK_128, BLOCK_128).amax(-1, keepdim=True)
+    return tiles.expand(*amax.shape[:-1], kp // BLOCK_128, BLOCK_128).reshape(
+        *amax.shape[:-1], kp)[..., :k]
 
 
 def _grouped_k_block128_key(offs: torch.Tensor, nb_bound: int) -> torch.Tensor:

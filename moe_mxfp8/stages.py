@@ -41,7 +41,7 @@ from .backend import _warn_once, cutedsl_available, kernel_backend_for
 from .checks import kernel_input
 from .config import check_scale_blocks
 from .kernels.grouped_gemm.problem import kernel_offs
-from .kernels.mx_format import ACT_BLOCK, BLOCK_128, BLOCK_SIZE
+from .kernels.mx_format import ACT_BLOCK, BLOCK_128, BLOCK_SIZE, WGRAD_ACT_BLOCK_ROWS
 from .mx_tensor import FP8, MXFP8Tensor
 from .routing import block_table, check_layout, numel_of
 
@@ -146,20 +146,29 @@ def _fp8(data: Tensor) -> Tensor:
     return data if data.dtype == FP8 else data.view(FP8)
 
 
-def _wrap(outs: dict, offs: Tensor):
+def _wrap(outs: dict, offs: Tensor, col_block_rows: int = 1):
     row = col = None
     if "qrow" in outs:
         row = MXFP8Tensor(_fp8(outs["qrow"]), outs["srow"], "packed", offs, "rows")
     if "qcol" in outs:
-        col = MXFP8Tensor(_fp8(outs["qcol"]), outs["scol"], "packed", offs, "k")
+        col = MXFP8Tensor(_fp8(outs["qcol"]), outs["scol"], "packed", offs, "k", col_block_rows)
     return row, col, outs.get("bf16")
 
 
 def _quantize_ref(v: Tensor, offs: Tensor, qrow: bool, qcol: bool, keep_bf16: bool,
-                  scale_blocks: str):
+                  scale_blocks: str, col_block_rows: int = 1):
     row = R.quantize_rowwise_ref(v, offs=offs, scale_blocks=scale_blocks) if qrow else None
-    col = R.quantize_colwise_ref(v, offs=offs, scale_blocks=scale_blocks) if qcol else None
+    col = (R.quantize_colwise_ref(v, offs=offs, scale_blocks=scale_blocks,
+                                  block_rows=col_block_rows) if qcol else None)
     return row, col, (v if keep_bf16 else None)
+
+
+def forward_col_rows(scale_blocks: str) -> int:
+    """``block_rows`` of the forward stages' columnwise copies (dispatch: ``x``, SwiGLU: ``a``):
+    the weight-gradient GEMMs' activation operands, in 128 x 128 tiles for the 1x128 recipe
+    (`mx_format.WGRAD_ACT_BLOCK_ROWS`, docs/numerics.md). The backward stages' copies (the
+    gradient operands) keep one scale per row."""
+    return WGRAD_ACT_BLOCK_ROWS[scale_blocks]
 
 
 def _check_rows(name: str, f: int, scale_blocks: str, quantized: bool) -> int:
@@ -194,7 +203,8 @@ def dispatch_ref(x, src, offs, top_k, *, qrow=True, qcol=True, keep_bf16=False,
                  scale_blocks="1x32"):
     valid, _, tok = _valid_rows(src, top_k)
     xs = _gather_rows(x.to(BF16), tok, valid)
-    return _quantize_ref(xs, offs, qrow, qcol, keep_bf16, scale_blocks)
+    return _quantize_ref(xs, offs, qrow, qcol, keep_bf16, scale_blocks,
+                         forward_col_rows(scale_blocks))
 
 
 def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = True,
@@ -209,8 +219,9 @@ def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = T
     group starts on a multiple of 16 rows (`route_layout` with ``align % 16 == 0``); the
     kernels then write the columnwise copy in 16-byte stores. ``table``: the `block_table` of
     ``(offs, M, block)`` where the caller already has it (one per step); ``tile_ends``: the
-    quantizer's (`swiglu`)."""
+    quantizer's (`swiglu`). The columnwise copy: `forward_col_rows`."""
     ablk = _check_rows("dispatch", x.shape[1], scale_blocks, qrow or qcol)
+    col_rows = forward_col_rows(scale_blocks)
     check_layout("dispatch", x, numel_of(src), src=src, offs=offs, pairs=x.shape[0] * top_k)
     if not use_triton(x, backend):
         return dispatch_ref(x, src, offs, top_k, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
@@ -219,13 +230,14 @@ def dispatch(x: Tensor, src: Tensor, offs: Tensor, top_k: int, *, qrow: bool = T
     if _on_quantizer("dispatch", x, ablk, qrow or qcol, keep_bf16):
         res = _quantizer().quantize_gather(
             kernel_input(x), _int32(src), kernel_offs(offs), top_k, rows=qrow, cols=qcol,
-            act_block=ablk, aligned_groups=aligned_groups, tile_ends=tile_ends)
-        return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
+            act_block=ablk, aligned_groups=aligned_groups, tile_ends=tile_ends,
+            col_tile=col_rows > 1)
+        return _wrap(_quantizer_outputs(res, qrow, qcol), offs, col_rows)
     m = src.numel()
     outs = _outputs(m, x.shape[1], offs.numel(), qrow, qcol, keep_bf16, x)
     _triton_kernels().dispatch(x, src.contiguous(), _table(table, offs, m, ablk), top_k, outs,
-                               ablk, aligned_groups)
-    return _wrap(outs, offs)
+                               ablk, aligned_groups, col_tile=col_rows > 1)
+    return _wrap(outs, offs, col_rows)
 
 
 def dispatch_backward_ref(dxs: Tensor, rows: Tensor) -> Tensor:
@@ -256,7 +268,8 @@ def swiglu_ref(h, src, offs, *, qrow=True, qcol=True, keep_bf16=False, scale_blo
     gate, up = h.chunk(2, dim=-1)
     a = F.silu(gate) * up
     a = torch.where((src >= 0)[:, None], a, torch.zeros((), dtype=a.dtype, device=a.device))
-    return _quantize_ref(a, offs, qrow, qcol, keep_bf16, scale_blocks)
+    return _quantize_ref(a, offs, qrow, qcol, keep_bf16, scale_blocks,
+                         forward_col_rows(scale_blocks))
 
 
 def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: bool = True,
@@ -267,8 +280,9 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
     ``(rowwise MXFP8 | None, columnwise MXFP8 | None, BF16 (M, H) | None)``; pad rows 0.
     ``table`` / ``tile_ends``: the Triton kernels' `block_table` / the quantizer's tile ends of
     these ``offs`` (`routing.row_tables`) where the caller has them (one per step), else
-    built here for the one that runs."""
+    built here for the one that runs. The columnwise copy: `forward_col_rows`."""
     ablk = _check_rows("swiglu", h.shape[1] // 2, scale_blocks, qrow or qcol)
+    col_rows = forward_col_rows(scale_blocks)
     check_layout("swiglu", h, h.shape[0], src=src, offs=offs)
     if not use_triton(h, backend):
         return swiglu_ref(h, src, offs, qrow=qrow, qcol=qcol, keep_bf16=keep_bf16,
@@ -277,13 +291,14 @@ def swiglu(h: Tensor, src: Tensor, offs: Tensor, *, qrow: bool = True, qcol: boo
     if _on_quantizer("swiglu", h, ablk, qrow or qcol, keep_bf16):
         res = _quantizer().quantize_swiglu(
             kernel_input(h), _int32(src), kernel_offs(offs), rows=qrow, cols=qcol,
-            act_block=ablk, aligned_groups=aligned_groups, tile_ends=tile_ends)
-        return _wrap(_quantizer_outputs(res, qrow, qcol), offs)
+            act_block=ablk, aligned_groups=aligned_groups, tile_ends=tile_ends,
+            col_tile=col_rows > 1)
+        return _wrap(_quantizer_outputs(res, qrow, qcol), offs, col_rows)
     m = src.numel()
     outs = _outputs(m, h.shape[1] // 2, offs.numel(), qrow, qcol, keep_bf16, h)
     _triton_kernels().swiglu_fwd(h, src.contiguous(), _table(table, offs, m, ablk), outs, ablk,
-                                 aligned_groups)
-    return _wrap(outs, offs)
+                                 aligned_groups, col_tile=col_rows > 1)
+    return _wrap(outs, offs, col_rows)
 
 
 def swiglu_backward_ref(da, h, src, offs, *, qrow=True, qcol=True, keep_bf16=False,

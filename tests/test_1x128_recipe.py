@@ -125,22 +125,81 @@ def test_weights_128x128_one_quantization_serves_both_axes(shape, gen):
     assert torch.equal(qk.data.view(torch.uint8), want.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
+@pytest.mark.parametrize("sizes", [None, [0, 1, 31, 33, 127, 129, 0, 300], [200, 0, 56]])
+def test_colwise_tiles_share_each_128_block_scale_over_128_features(sizes, gen):
+    """``block_rows=128``: the columnwise copy's scale of (feature f, 128-token block) is the
+    RCEIL exponent of the amax over features [128 (f // 128), +128) x that block (features past
+    K and pad tokens count as 0), replicated over its four 32-blocks; the bytes are E4M3(x /
+    scale). Where no element of a tile falls below E4M3's normal range under the tile's scale
+    the dequantized values equal the per-column copy's (rounding is scale-invariant there)."""
+    m = 300 if sizes is None else sum(sizes)
+    offs = None if sizes is None else _offs(sizes)
+    k = 300  # two full 128-feature tiles and a partial one
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-1, 1, k)
+    col = quantize_colwise(x, offs=offs, backend="reference", scale_blocks="1x128",
+                           block_rows=128)
+    per = quantize_colwise(x, offs=offs, backend="reference", scale_blocks="1x128")
+    assert col.block_rows == 128 and per.block_rows == 1
+    dense, dper = col.dense_scales().long(), per.dense_scales().long()  # (K, blocks)
+    segs = ([(0, m)] if sizes is None else
+            [(s, e) for s, e in zip([0, *offs.tolist()[:-1]], offs.tolist(), strict=True)])
+    c = 0  # dense column of the segment's first 32-block
+    for s, e in segs:
+        for b0 in range(s, e, 128):
+            b1 = min(b0 + 128, e)
+            for f0 in range(0, k, 128):
+                amax = float(x[b0:b1, f0:f0 + 128].abs().max())
+                want = oracle.scale_exponent(amax, "rceil") + 127
+                nb = -(-(b1 - b0) // 32)
+                assert (dense[f0:f0 + 128, c:c + nb] == want).all(), (s, b0, f0)
+                # the tile's scale is the largest of its features' 1x128 scales
+                assert want == int(dper[f0:f0 + 128, c:c + nb].max())
+            c += -(-(b1 - b0) // 32)
+    per_elem = R.e8m0_to_float32(col.dense_scales()).repeat_interleave(32, dim=1)[:, :m]
+    if sizes is None:
+        want = (x.t() / per_elem).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(col.data.view(torch.uint8), want.view(torch.uint8))
+    # a tile of values within 2^6 of each other: nothing subnormal, the same values
+    y = torch.rand(256, 128, generator=gen) + 0.02
+    a = R.quantize_colwise_ref(y, scale_blocks="1x128", block_rows=128).dequantize(torch.float32)
+    b = R.quantize_colwise_ref(y, scale_blocks="1x128").dequantize(torch.float32)
+    assert torch.equal(a, b)
+
+
+def test_colwise_tiles_need_the_1x128_blocks():
+    x = torch.randn(64, 128)
+    with pytest.raises(ValueError, match="need scale_blocks='1x128'"):
+        quantize_colwise(x, backend="reference", block_rows=128)
+    with pytest.raises(ValueError, match="block_rows of a columnwise copy must be one of"):
+        quantize_colwise(x, backend="reference", scale_blocks="1x128", block_rows=32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes", [[0, 1, 31, 33, 127, 129, 0, 300], [200, 0, 56], [0, 0, 0]])
-def test_gpu_1x128_kernels_match_the_cpu_reference(sizes, gen):
+@pytest.mark.parametrize("col_block_rows", [1, 128])
+def test_gpu_1x128_kernels_match_the_cpu_reference(sizes, col_block_rows, gen):
     """The CuTeDSL quantizers of the recipe (``backend="auto"`` on the GPU) give the bytes of
     the CPU reference on the same values: rows and K groups of any size, a K with a partial
-    128-block (352 = 2 x 128 + 3 x 32), 128x128 weight tiles cut by N and K."""
+    128-block (352 = 2 x 128 + 3 x 32), 128x128 weight tiles cut by N and K; the columnwise
+    copy per feature or in 128 x 128 tiles (``col_block_rows``), grouped and not."""
     from moe_mxfp8 import quantize_dual
 
     m = sum(sizes)
     offs = _offs(sizes)
     x = (torch.randn(m, 352, generator=gen) * torch.logspace(-3, 3, 352)).bfloat16()
-    got = quantize_dual(x.cuda(), offs=offs.cuda(), scale_blocks="1x128")
-    want = quantize_dual(x, offs=offs, backend="reference", scale_blocks="1x128")
+    got = quantize_dual(x.cuda(), offs=offs.cuda(), scale_blocks="1x128",
+                        col_block_rows=col_block_rows)
+    want = quantize_dual(x, offs=offs, backend="reference", scale_blocks="1x128",
+                         col_block_rows=col_block_rows)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.scale.cpu(), w.scale)
         assert torch.equal(g.data.cpu().view(torch.uint8), w.data.view(torch.uint8))
+    assert got[1].block_rows == col_block_rows
+    got = quantize_colwise(x.cuda(), scale_blocks="1x128", block_rows=col_block_rows)
+    want = quantize_colwise(x, backend="reference", scale_blocks="1x128",
+                            block_rows=col_block_rows)
+    assert torch.equal(got.scale.cpu(), want.scale)
+    assert torch.equal(got.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
     w = torch.randn(2, 200, 352, generator=gen) * torch.logspace(-3, 3, 352)
     for axis, src in (("K", w), ("N", w[:, :192, :100])):
         got = quantize_weights(src.cuda(), axis=axis, block_rows=128)
@@ -216,9 +275,11 @@ def sqnr_table(seed: int = 0) -> dict:
                 "dgrad": R.grouped_mm(R.quantize_rowwise_ref(dy, offs=offs, scale_blocks=recipe),
                                       R.quantize_weights_ref(w, "N", block_rows=br), offs,
                                       torch.float32),
+                # the activation operand as the layer makes it (128 x 128 tiles for 1x128)
                 "wgrad": R.grouped_mm(
                     R.quantize_colwise_ref(dy, offs=offs, scale_blocks=recipe),
-                    R.quantize_colwise_ref(x, offs=offs, scale_blocks=recipe), offs,
+                    R.quantize_colwise_ref(x, offs=offs, scale_blocks=recipe,
+                                           block_rows=R.WGRAD_ACT_BLOCK_ROWS[recipe]), offs,
                     torch.float32),
             }
             for op, out in outs.items():
@@ -263,7 +324,7 @@ def test_grouped_mm_1x128_uses_1x128_operands(gen):
     wnq = R.quantize_weights_ref(w.detach(), "N", block_rows=128)
     assert torch.equal(x.grad, R.grouped_mm(dyq, wnq, offs, torch.bfloat16))
     dytq = R.quantize_colwise_ref(dy, offs=offs, scale_blocks="1x128")
-    xtq = R.quantize_colwise_ref(x.detach(), offs=offs, scale_blocks="1x128")
+    xtq = R.quantize_colwise_ref(x.detach(), offs=offs, scale_blocks="1x128", block_rows=128)
     assert torch.equal(w.grad, R.grouped_mm(dytq, xtq, offs, torch.bfloat16))
     # the operands are not the 1x32 ones (scales differ; the dequantized values mostly do not:
     # E4M3 rounding is scale-invariant above its subnormal range)

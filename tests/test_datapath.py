@@ -565,9 +565,10 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
 
     x = rnd(t, d)
     o = poisoned_outputs(m, d, e, src)
-    K.dispatch(x, src, tbl, k, o, ablk, aligned)
-    got, ref = ST._wrap(o, offs), ST.dispatch_ref(x, src, offs, k, keep_bf16=True,
-                                                  scale_blocks=sb)
+    col_rows = ST.forward_col_rows(sb)  # the forward stages' columnwise copies (1x128: tiles)
+    K.dispatch(x, src, tbl, k, o, ablk, aligned, col_tile=col_rows > 1)
+    got, ref = ST._wrap(o, offs, col_rows), ST.dispatch_ref(x, src, offs, k, keep_bf16=True,
+                                                            scale_blocks=sb)
     assert_mx_equal(got[0], ref[0], "dispatch rowwise")
     assert_mx_equal(got[1], ref[1], "dispatch colwise")
     assert torch.equal(got[2], ref[2])
@@ -579,8 +580,9 @@ def _check_kernels(K, gen, device, t, k, e, d, hh, align, exact_silu_bwd, scale_
 
     h = rnd(m, 2 * hh, scale=3.0)
     o = poisoned_outputs(m, hh, e, src)
-    K.swiglu_fwd(h, src, tbl, o, ablk, aligned)
-    got, ref = ST._wrap(o, offs), ST.swiglu_ref(h, src, offs, keep_bf16=True, scale_blocks=sb)
+    K.swiglu_fwd(h, src, tbl, o, ablk, aligned, col_tile=col_rows > 1)
+    got, ref = (ST._wrap(o, offs, col_rows),
+                ST.swiglu_ref(h, src, offs, keep_bf16=True, scale_blocks=sb))
     assert torch.equal(got[2], ref[2]), "swiglu BF16"
     assert_mx_equal(got[0], ref[0], "swiglu rowwise")
     assert_mx_equal(got[1], ref[1], "swiglu colwise")
@@ -723,14 +725,15 @@ def test_gpu_kernels_nonfinite_blocks(gen, scale_blocks):
         flat[idx] = torch.tensor([float("inf"), -float("inf"), float("nan")] * 4, dtype=BF16,
                                  device="cuda")
     o = poisoned_outputs(m, d, e, src, keep_bf16=False)
-    K.dispatch(x, src, tbl, k, o, ablk, True)
-    got, ref = ST._wrap(o, offs), ST.dispatch_ref(x, src, offs, k, scale_blocks=sb)
+    col_rows = ST.forward_col_rows(sb)
+    K.dispatch(x, src, tbl, k, o, ablk, True, col_tile=col_rows > 1)
+    got, ref = ST._wrap(o, offs, col_rows), ST.dispatch_ref(x, src, offs, k, scale_blocks=sb)
     assert (got[0].scale == 0xFF).any(), "no non-finite block was made"
     _assert_mx_same_values(got[0], ref[0], "dispatch rowwise")
     _assert_mx_same_values(got[1], ref[1], "dispatch colwise")
     o = poisoned_outputs(m, hh, e, src, keep_bf16=False)
-    K.swiglu_fwd(h, src, tbl, o, ablk, True)
-    got, ref = ST._wrap(o, offs), ST.swiglu_ref(h, src, offs, scale_blocks=sb)
+    K.swiglu_fwd(h, src, tbl, o, ablk, True, col_tile=col_rows > 1)
+    got, ref = ST._wrap(o, offs, col_rows), ST.swiglu_ref(h, src, offs, scale_blocks=sb)
     _assert_mx_same_values(got[0], ref[0], "swiglu rowwise")
     _assert_mx_same_values(got[1], ref[1], "swiglu colwise")
 

@@ -51,8 +51,8 @@ def _poisoned_outs(m: int, f: int, e: int, device) -> dict:
             "s_col": fill(L.grouped_k_scale_bytes(f, m, e))}
 
 
-def _as_mx(res: list, rows: bool, cols: bool, offs):
-    return ST._wrap(ST._quantizer_outputs(res, rows, cols), offs)
+def _as_mx(res: list, rows: bool, cols: bool, offs, col_rows: int = 1):
+    return ST._wrap(ST._quantizer_outputs(res, rows, cols), offs, col_rows)
 
 
 def _layout(gen, t, k, e, align):
@@ -95,9 +95,12 @@ def test_gpu_swiglu_bit_exact(gen, shape, scale_blocks, outputs):
     da = _bf16(gen, m, hh)
     flags = dict(rows=rows, cols=cols, act_block=R.ACT_BLOCK[scale_blocks],
                  aligned_groups=align % 16 == 0)
-    got = QL.quantize_swiglu(h, src, offs, out=_poisoned_outs(m, hh, e, "cuda"), **flags)
+    # the forward stages' columnwise copy as the layer asks for it (1x128: 128 x 128 tiles)
+    col_rows = ST.forward_col_rows(scale_blocks)
+    got = QL.quantize_swiglu(h, src, offs, out=_poisoned_outs(m, hh, e, "cuda"),
+                             col_tile=col_rows > 1, **flags)
     ref = ST.swiglu_ref(h, src, offs, qrow=rows, qcol=cols, scale_blocks=scale_blocks)
-    _assert_copies(_as_mx(got, rows, cols, offs), ref, "swiglu")
+    _assert_copies(_as_mx(got, rows, cols, offs, col_rows), ref, "swiglu")
     got = QL.quantize_swiglu_grad(da, h, src, offs, out=_poisoned_outs(m, 2 * hh, e, "cuda"),
                                   **flags)
     ref = ST.swiglu_backward_ref(da, h, src, offs, qrow=rows, qcol=cols,
@@ -118,9 +121,11 @@ def test_gpu_dispatch_and_combine_backward_bit_exact(gen, shape, scale_blocks, o
     flags = dict(rows=rows_, cols=cols, act_block=R.ACT_BLOCK[scale_blocks],
                  aligned_groups=align % 16 == 0)
     x = _bf16(gen, t, d, scale=4.0)
-    got = QL.quantize_gather(x, src, offs, k, out=_poisoned_outs(m, d, e, "cuda"), **flags)
+    col_rows = ST.forward_col_rows(scale_blocks)
+    got = QL.quantize_gather(x, src, offs, k, out=_poisoned_outs(m, d, e, "cuda"),
+                             col_tile=col_rows > 1, **flags)
     ref = ST.dispatch_ref(x, src, offs, k, qrow=rows_, qcol=cols, scale_blocks=scale_blocks)
-    _assert_copies(_as_mx(got, rows_, cols, offs), ref, "dispatch")
+    _assert_copies(_as_mx(got, rows_, cols, offs, col_rows), ref, "dispatch")
 
     dout, y = _bf16(gen, t, d), _bf16(gen, m, d)
     w = torch.rand(t, k, generator=gen).cuda()

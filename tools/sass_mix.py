@@ -61,6 +61,10 @@ CONFIGS = {
     "k 1x128 overlap": dict(mode="k", scale_blocks="1x128", overlap_promotion=True, cluster_n=2),
     "m 1x128 wide": dict(mode="m", scale_blocks="1x128", tile_n=256),
     "k 1x128 wide": dict(mode="k", scale_blocks="1x128", tile_n=256, cluster_n=2),
+    # the layer's wgrad: B (the saved activation) in 128 x 128 tiles
+    "k 1x128 tiles": dict(mode="k", scale_blocks="1x128", cluster_n=2, b_block_rows=128),
+    "k 1x128 wide tiles": dict(mode="k", scale_blocks="1x128", tile_n=256, cluster_n=2,
+                               b_block_rows=128),
 }
 FP8_DENSE_FLOPS, CLOCK_HZ, NUM_SMS = 1979e12, 1.83e9, 132  # H100 SXM spec (boost clock)
 SMSPS = 4

@@ -54,6 +54,9 @@ class GroupedProblem:
     out_dtype: torch.dtype
     scale_blocks: str  # "1x32" | "32x32" | "1x128" (mx_format.SCALE_BLOCKS)
     device: torch.device
+    # K-grouped: rows of `b` sharing a scale, 1 or 128 (1x128 tiles of 128 x 128: the
+    # weight-gradient GEMM's activation operand, mx_format.WGRAD_ACT_BLOCK_ROWS)
+    b_block_rows: int = 1
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -63,7 +66,7 @@ class GroupedProblem:
 
     def static_key(self) -> tuple:
         """The part of the problem that a compiled kernel bakes in (m and E stay dynamic)."""
-        return (self.mode, self.n, self.k, self.out_dtype, self.scale_blocks)
+        return (self.mode, self.n, self.k, self.out_dtype, self.scale_blocks, self.b_block_rows)
 
     def flops(self) -> int:
         """2 * sum_g m_g * n * k = 2 * m * n * k in both modes (groups partition the tokens)."""
@@ -215,7 +218,12 @@ def describe_k(a, b, offs: torch.Tensor, out_dtype: torch.dtype,
             raise ValueError(f"{name}.scale holds {t.scale.numel()} bytes, needs {need}")
     # the activation side decides the kernel (weights do not enter a K-grouped GEMM)
     blocks = "1x128" if F.ACT_BLOCK[scale_blocks] == F.BLOCK_128 else "1x32"
-    return GroupedProblem(MODE_K, m, n, k, e, out_dtype, blocks, a.data.device)
+    if a.block_rows != 1:
+        raise ValueError("K-grouped `a` must have one scale per row (block_rows=1)")
+    if b.block_rows not in F.COLWISE_BLOCK_ROWS or (b.block_rows != 1 and blocks != "1x128"):
+        raise ValueError(f"K-grouped `b`: block_rows must be 1, or 128 with 1x128 blocks "
+                         f"(128 x 128 tiles), got {b.block_rows} with {scale_blocks}")
+    return GroupedProblem(MODE_K, m, n, k, e, out_dtype, blocks, a.data.device, b.block_rows)
 
 
 def check_implementable(problem: GroupedProblem, *, n_multiple: int = 32, k_multiple: int = 32,

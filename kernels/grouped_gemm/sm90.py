@@ -128,7 +128,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         # 1x128 recipe: one promotion per k-tile; with 128x128 weight tiles the scale warps
         # write the row scale x tile scale products, so the promotion is 1 FFMA per element
         self.blocks_1x128 = config.scale_blocks == "1x128"
-        self.weights_128x128 = self.blocks_1x128 and self.is_m
+        self.weights_128x128 = self.blocks_1x128 and (self.is_m or config.b_block_rows > 1)
         # scale slots per stage: 1x32 / 32x32 one per k=32 block; 1x128 one per column half
         self.sblocks = self.halves if self.blocks_1x128 else BLOCKS_PER_KTILE
         self.overlap = (self.is_m if config.overlap_promotion is None

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..mx_format import SCALE_BLOCKS
+from ..mx_format import COLWISE_BLOCK_ROWS, SCALE_BLOCKS
 from .host import GroupedGemmHost
 from .problem import MODE_M, MODES, GroupedProblem, output_columns
 
@@ -96,6 +96,10 @@ class GroupedGemmSm90Config:
     # "promote_only": no wgmma is issued (the promotion and the pipeline alone); "no_store": the
     # epilogue converts but stores (almost) nothing (the cost of writing the output).
     diag: str = ""
+    # K-grouped: rows of B sharing a scale (the problem's ``b_block_rows``): 128 with 1x128
+    # blocks makes B's scale one per 128 x 128 tile, so the promotion is one FFMA per element
+    # as M-grouped (the scale warps write the row x tile products)
+    b_block_rows: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -116,6 +120,9 @@ class GroupedGemmSm90Config:
             raise ValueError(f"tile_n must be one of {TILE_NS}, got {self.tile_n}")
         if self.tile_n != TILE_N and self.scale_blocks != "1x128":
             raise ValueError("256-column tiles are built for the 1x128 recipe only")
+        if self.b_block_rows not in COLWISE_BLOCK_ROWS or (
+                self.b_block_rows != 1 and (self.mode == MODE_M or self.scale_blocks != "1x128")):
+            raise ValueError("b_block_rows 128 (128 x 128 B tiles) is K-grouped 1x128 only")
         if self.tma_store and self.out_dtype.itemsize != 2:
             raise ValueError("the TMA-store epilogue is built for 16-bit outputs")
         if self.band_m < 1:
@@ -123,7 +130,8 @@ class GroupedGemmSm90Config:
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(GroupedGemmSm90Config)
-                      if f.name not in ("mode", "n", "k", "out_dtype", "scale_blocks"))
+                      if f.name not in ("mode", "n", "k", "out_dtype", "scale_blocks",
+                                        "b_block_rows"))
 
 
 def reduction_per_tile(problem: GroupedProblem) -> int:
@@ -171,7 +179,8 @@ class GroupedGemmSm90Host(GroupedGemmHost):
                 raise ValueError(f"tuning may only set {TUNING_FIELDS}, got {bad}")
             fields.update(tuning)
         cfg = GroupedGemmSm90Config(problem.mode, problem.n, problem.k, problem.out_dtype,
-                                    problem.scale_blocks, **fields)
+                                    problem.scale_blocks, b_block_rows=problem.b_block_rows,
+                                    **fields)
         if cfg.cluster_n > 1 and not can_cluster(cfg.mode, cfg.n, cfg.k, cfg.cluster_n,
                                                  cfg.tile_n):
             cfg = dataclasses.replace(cfg, cluster_n=1)
@@ -182,6 +191,9 @@ class GroupedGemmSm90Host(GroupedGemmHost):
             # the promotion depends on the scale blocks: another choice would give wrong sums
             return False, (f"kernel compiled for {self.cfg.scale_blocks} scale blocks, the "
                            f"operands have {problem.scale_blocks}")
+        if problem.b_block_rows != self.cfg.b_block_rows:
+            return False, (f"kernel compiled for B rows sharing a scale {self.cfg.b_block_rows}, "
+                           f"the operand has {problem.b_block_rows}")
         return super().can_implement(problem)
 
     def cluster_size(self) -> int:

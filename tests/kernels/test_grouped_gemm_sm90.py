@@ -8,6 +8,7 @@ random data, outputs NaN-poisoned first so that every element must be written.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -23,6 +24,7 @@ import torch
 from gemm_cases import (  # noqa: E402  (tests/kernels is on sys.path under pytest)
     GROUPINGS,
     _check,
+    _check_wgrad,
     _e128_sizes,
     _offs,
     _sizes,
@@ -162,9 +164,10 @@ def test_promotion_instruction_mix(tmp_path):
     FFMA per accumulator element per k=32 step (64 x 4 = 256) -- in 32x32 mode no FMUL (the
     scale warps precompute the products), in 1x32 mode one FMUL each (the scale product).
     The 1x128 recipe promotes once per k-tile: 64 FFMA (4x fewer), plus 64 FMUL in wgrad
-    (row x column scale); the 256-column tiles the same per 128x128x128 of work, in fewer
-    instructions. More instructions here is a regression of the promotion, the kernel's
-    bottleneck."""
+    (row x column scale) unless B comes in 128 x 128 tiles (the layer's wgrad: the scale warps
+    write the row x tile products, as M-grouped); the 256-column tiles the same per 128x128x128
+    of work, in fewer instructions. More instructions here is a regression of the promotion,
+    the kernel's bottleneck."""
     pytest.importorskip("cutlass")
     if _nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
@@ -172,7 +175,8 @@ def test_promotion_instruction_mix(tmp_path):
     env = dict(os.environ, PATH=f"{os.path.dirname(_nvdisasm())}{os.pathsep}"
                f"{os.environ.get('PATH', '')}")
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "sass_mix.py"), "--configs",
-                          "m 1x32,m 32x32,m 1x128,k 1x128,m 1x128 wide,k 1x128 wide", "--json",
+                          "m 1x32,m 32x32,m 1x128,k 1x128,m 1x128 wide,k 1x128 wide,"
+                          "k 1x128 tiles,k 1x128 wide tiles", "--json",
                           str(out)], cwd=tmp_path,
                          env=env,
                          capture_output=True, text=True, timeout=600)
@@ -182,7 +186,9 @@ def test_promotion_instruction_mix(tmp_path):
                                      ("m 1x128", 64, 0, 130), ("k 1x128", 64, 64, 200),
                                      # 256-column tiles, per 128x128x128 of work (one half)
                                      ("m 1x128 wide", 64, 0, 110),
-                                     ("k 1x128 wide", 64, 64, 190)):
+                                     ("k 1x128 wide", 64, 64, 190),
+                                     ("k 1x128 tiles", 64, 0, 140),
+                                     ("k 1x128 wide tiles", 64, 0, 120)):
         r = mix[name]
         assert (r["QGMMA"], r["FFMA"], r["FMUL"]) == (4, ffma, fmul), (name, r)
         assert r["instrs"] <= budget and r["spills"] == 0, (name, r)
@@ -598,3 +604,97 @@ def test_kernel_refuses_operands_of_another_scale_block_choice():
     other = sm90.GroupedGemmSm90(sm90.GroupedGemmSm90Config("m", 128, 128))
     ok, why = other.can_implement(p)
     assert not ok and "1x32 scale blocks" in why and "32x32" in why
+
+
+# ---------------------------------------------------------------------------------------------
+# the 1x128 weight gradient with its activation operand in 128 x 128 tiles (the layer's wgrad)
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_rows(t, block_rows: int):
+    """The same MXFP8 bytes and scales described with another ``block_rows``."""
+    return type(t)(t.data, t.scale, t.scale_layout, t.offs, t.group_axis, block_rows)
+
+
+def test_k_grouped_tiles_are_described_and_configured():
+    """`describe_k` carries B's ``block_rows`` into the problem (and its compile key); the
+    config takes it; tiles are refused for 1x32 operands, for an A operand and M-grouped."""
+    from moe_mxfp8.kernels.grouped_gemm import problem as P
+    from moe_mxfp8.kernels.grouped_gemm import sm90_config as sm90
+
+    sizes = [128, 0, 256]
+    offs = _offs(sizes, "cpu")
+    m = sum(sizes)
+    x, dy = torch.randn(m, 256).bfloat16(), torch.randn(m, 128).bfloat16()
+    a = R.quantize_colwise_ref(dy, offs=offs, scale_blocks="1x128")
+    b = R.quantize_colwise_ref(x, offs=offs, scale_blocks="1x128", block_rows=128)
+    p = P.describe_k(a, b, offs, torch.bfloat16, "1x128")
+    assert p.b_block_rows == 128 and p.static_key()[-1] == 128
+    assert P.describe_k(a, _as_rows(b, 1), offs, torch.bfloat16, "1x128").b_block_rows == 1
+    cfg = sm90.GroupedGemmSm90Host.select_config(p)
+    assert cfg.b_block_rows == 128
+    host = sm90.GroupedGemmSm90Host(cfg)
+    ok, why = host.can_implement(dataclasses.replace(p, b_block_rows=1))
+    assert not ok and "rows sharing a scale" in why
+    with pytest.raises(ValueError, match="block_rows must be 1, or 128 with 1x128"):
+        P.describe_k(a, b, offs, torch.bfloat16, "1x32")
+    with pytest.raises(ValueError, match="one scale per row"):
+        P.describe_k(_as_rows(a, 128), b, offs, torch.bfloat16, "1x128")
+    with pytest.raises(ValueError, match="K-grouped 1x128 only"):
+        sm90.GroupedGemmSm90Config("m", 256, 256, torch.bfloat16, "1x128", b_block_rows=128)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+@pytest.mark.parametrize("grouping", ["E8_edge", "E128"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_1x128_wgrad_with_activation_tiles(grouping, out_dtype):
+    """B (K, M) in 128 x 128 tiles (``block_rows=128``): the kernel promotes with the scale
+    warps' row x tile products (one FFMA per element). Against the fp32 reference of the
+    dequantized operands, NaN-poisoned outputs, uneven and empty groups, K past a 128 tile
+    (288), 128- and 256-column tiles, clusters, a 3-CTA persistent grid, aligned starts and
+    the slow copy path; and bit-identical to the row x column promotion of the same bytes (the
+    products of powers of two are exact)."""
+    dev = "cuda"
+    torch.manual_seed(31 + len(grouping))
+    sizes = _sizes(grouping, 3)
+    offs = _offs(sizes, dev)
+    m, n, k = sum(sizes), 160, 288
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    x[:, 7] *= 300  # an outlier feature: the first tile's scale is its, the second's not
+    a = R.quantize_colwise_ref(dy, offs=offs, scale_blocks="1x128")
+    b = R.quantize_colwise_ref(x, offs=offs, scale_blocks="1x128", block_rows=128)
+    ref = R.grouped_mm(a, b, offs, torch.float32)
+    shape = (len(sizes), n, k)
+    for aligned in (False, True):
+        launch = dict(scale_blocks="1x128", aligned_groups=aligned)
+        per_column = _mm("k", a, _as_rows(b, 1), offs, out_dtype, **launch)
+        for tuning, clusters in (({"tile_n": 256, "cluster_n": 2}, None),
+                                 ({"tile_n": 128, "cluster_n": 1}, 3),
+                                 ({"tile_n": 256, "cluster_n": 1}, 3)):
+            out = torch.full(shape, float("nan"), device=dev, dtype=out_dtype)
+            _mm("k", a, b, offs, out_dtype, out=out, tuning=tuning, max_clusters=clusters,
+                **launch)
+            _check_wgrad(out, ref, sizes, out_dtype)
+            assert torch.equal(out, per_column), (aligned, tuning)
+
+
+@gpu
+@needs_cuda
+@needs_hopper
+def test_1x128_tiles_kernel_turns_per_column_scales_into_nan():
+    """A per-column operand described as 128 x 128 tiles cannot give plausible numbers: the
+    tile's bytes disagree and the scale check makes the output NaN."""
+    dev = "cuda"
+    torch.manual_seed(4)
+    sizes = [256, 128]
+    offs = _offs(sizes, dev)
+    x = torch.randn(384, 128, device=dev, dtype=torch.bfloat16)
+    x[:, 3] *= 1000  # feature 3's scale differs from the other features'
+    a = R.quantize_colwise_ref(torch.randn(384, 128, device=dev), offs=offs,
+                               scale_blocks="1x128")
+    b = R.quantize_colwise_ref(x, offs=offs, scale_blocks="1x128")
+    out = _mm("k", a, _as_rows(b, 128), offs, scale_blocks="1x128", aligned_groups=True)
+    assert torch.isnan(out).all()

@@ -110,6 +110,15 @@ COMPILE_SCRIPT = textwrap.dedent(
                 variants.append(("quantize_" + src, Q._activation_config(
                     dt, rnd, k, True, True, True, True, ab, src, top_k, src == "combine_grad",
                     Q._source_tuning(src, ab, True))))
+            # the forward stages' columnwise copies in 128 x 128 tiles (the 1x128 layer's)
+            for src, k, top_k in (("swiglu", 2048, 1), ("gather", 7168, 2)):
+                variants.append(("quantize_" + src, Q._activation_config(
+                    dt, rnd, k, True, True, True, True, 128, src, top_k, False,
+                    Q._source_tuning(src, 128, True), True)))
+            variants.append(("quantize_colwise", C(dt, rnd, 100, False, True, grouping="offs",
+                                                   act_block=128, col_tile=True)))
+            variants.append(("quantize_dual", C(dt, rnd, 160, True, True, act_block=128,
+                                                col_tile=True)))
         for op, cfg in variants:
             Q.compile_quantizer(op, cfg)
             n += 1
@@ -125,7 +134,7 @@ def test_compile_all_variants(arch):
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled 188" in res.stdout
+    assert "compiled 192" in res.stdout
 
 
 SASS_SCRIPT = textwrap.dedent(
@@ -143,6 +152,8 @@ SASS_SCRIPT = textwrap.dedent(
                                         grouping="offs")),
         ("col128", "quantize_colwise", C("bfloat16", "rceil", 2048, False, True,
                                          grouping="offs", act_block=128)),
+        ("col128t", "quantize_colwise", C("bfloat16", "rceil", 2048, False, True,
+                                          grouping="offs", act_block=128, col_tile=True)),
     ]:
         Q.compile_quantizer(op, cfg)
         os.makedirs(os.path.join(out, name))
@@ -150,7 +161,7 @@ SASS_SCRIPT = textwrap.dedent(
             shutil.move(f, os.path.join(out, name))
     """
 )
-SASS_NAMES = ("odd_k", "vec_k", "row32", "row128", "col32", "col128")
+SASS_NAMES = ("odd_k", "vec_k", "row32", "row128", "col32", "col128", "col128t")
 
 
 def _nvdisasm():
@@ -201,7 +212,9 @@ def test_1x128_instruction_mix(sass):
     """1x128 rowwise (bf16): the row amax's butterfly spans 16 lanes instead of 4 (4 steps
     instead of 2 for each of the 8 vectors), and one 32-bit store writes a row's four scale
     bytes instead of four byte stores; the same 32 E4M3 conversions. 1x128 columnwise: one more
-    CTA barrier (the four 32-token amaxes of a feature meet in shared memory)."""
+    CTA barrier (the four 32-token amaxes of a feature meet in shared memory); in 128 x 128
+    tiles (``col_tile``) a warp butterfly (5 steps) before that barrier instead (the warps'
+    maxima meet there), and the same stores."""
     def count(name, op):  # instructions with exactly this opcode (modifiers included)
         return len(re.findall(rf"{re.escape(op)}(?=\s)", sass[name]))
 
@@ -211,6 +224,9 @@ def test_1x128_instruction_mix(sass):
     cvt = "F2FP.SATFINITE.E4M3"
     assert sass["row32"].count(cvt) == sass["row128"].count(cvt) == 32
     assert sass["col128"].count("BAR.SYNC") == sass["col32"].count("BAR.SYNC") + 1
+    assert sass["col128t"].count("BAR.SYNC") == sass["col128"].count("BAR.SYNC")
+    assert count("col128t", "SHFL.BFLY") == count("col128", "SHFL.BFLY") + 5
+    assert sass["col128t"].count("STG.E") == sass["col128"].count("STG.E")
 
 
 def test_source_tuning_guesses_rows_only_where_groups_start_on_tiles():
