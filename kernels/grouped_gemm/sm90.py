@@ -125,10 +125,11 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         self.halves = config.tile_n // TILE_N
         super().__init__(config)
         self.weights_32x32 = config.scale_blocks == "32x32"
-        # 1x128 recipe: one promotion per k-tile; with 128x128 weight tiles the scale warps
+        # 1x128 recipe: one promotion per k-tile; with B in 128x128 tiles (M-grouped: the
+        # weights; K-grouped: the wgrad's activation operand, ``b_block_rows``) the scale warps
         # write the row scale x tile scale products, so the promotion is 1 FFMA per element
         self.blocks_1x128 = config.scale_blocks == "1x128"
-        self.weights_128x128 = self.blocks_1x128 and (self.is_m or config.b_block_rows > 1)
+        self.b_tiles_128 = self.blocks_1x128 and (self.is_m or config.b_block_rows > 1)
         # scale slots per stage: 1x32 / 32x32 one per k=32 block; 1x128 one per column half
         self.sblocks = self.halves if self.blocks_1x128 else BLOCKS_PER_KTILE
         self.overlap = (self.is_m if config.overlap_promotion is None
@@ -144,7 +145,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
         # the sSFA region instead of the row and column scales (see scale_producer)
         self.products = self.weights_32x32 and config.scale_products is not False
         self.sfa_stride = PROD_STRIDE if self.products else SFA_STRIDE
-        self.sfb_stride = 4 if self.products or self.weights_128x128 else SFB_STRIDE
+        self.sfb_stride = 4 if self.products or self.b_tiles_128 else SFB_STRIDE
         sf_stage_bytes = self.sblocks * (self.sfa_stride + self.sfb_stride) * 4
         self.stage_bytes = ab_stage_bytes + sf_stage_bytes
         self.tma_store = (config.tma_store if config.tma_store is not None
@@ -878,7 +879,7 @@ class GroupedGemmSm90(Sm90ScaleWarps, GroupedGemmSm90Host, GroupedGemmBase):
                 sa = sa0 if h == 0 else sa1
                 for b in cutlass.range_constexpr(2):
                     i = 4 * q + 2 * h + b
-                    if cutlass.const_expr(self.weights_128x128):
+                    if cutlass.const_expr(self.b_tiles_128):
                         acc[i] = acc[i] + tmp[i] * sa
                     elif cutlass.const_expr(self.weights_32x32):
                         acc[i] = acc[i] + tmp[i] * sb[h * (TILE_N // 32) + q // 4]

@@ -30,9 +30,9 @@ F32_NAN_BITS = 0x7FC00000
 
 class Sm90ScaleWarps:
     """Scale-warp and scale-layout methods of `GroupedGemmSm90` (needs its ``cfg``,
-    ``stages``, ``blocks_1x128``, ``weights_128x128``, ``weights_32x32``, ``products`` and
-    ``halves``: the output tile's 128-column halves, each one packed B scale tile per
-    k-tile)."""
+    ``stages``, ``blocks_1x128``, ``b_tiles_128`` (B in 128x128 tiles), ``weights_32x32``,
+    ``products`` and ``halves``: the output tile's 128-column halves, each one packed B scale
+    tile per k-tile)."""
 
     @cute.jit
     def scale_producer(self, pipe, sfA: cute.Tensor, sfB: cute.Tensor, sSFA: cute.Tensor,
@@ -103,14 +103,15 @@ class Sm90ScaleWarps:
         The packed tiles hold each row's 4 block bytes, which this recipe makes equal (the
         128-block's scale, replicated; blocks past a group's or K's end are 0 = pad): the scale
         is their maximum, and bytes that disagree (an operand not quantized 1x128) give NaN, so
-        a wrong operand cannot give a plausible result. With 128x128 weight tiles, B's scale is
+        a wrong operand cannot give a plausible result. With B in 128x128 tiles (weights, or the
+        wgrad's activation operand), B's scale is
         row 0's byte (every byte of the tile equals it or is pad) and the scale warps store the
         products row scale x tile scale at ``pos_a(r)`` (slot ``h`` of the stage for B tile
         ``h`` of a 256-column tile); otherwise row scales at ``pos_a(r)`` and column scales at
         ``pos_b(c)`` as in 1x32 mode (slot ``h``: B tile ``h``).
         """
-        bt = None  # 128x128 weight tiles: each B tile's scale
-        if cutlass.const_expr(self.weights_128x128):
+        bt = None  # B in 128x128 tiles: each B tile's scale
+        if cutlass.const_expr(self.b_tiles_128):
             bt = cute.make_rmem_tensor((self.halves,), Float32)
             for h in cutlass.range_constexpr(self.halves):
                 ref = cute.arch.shuffle_sync(wb[4 * h, slot], 0) & 0xFF
@@ -126,7 +127,7 @@ class Sm90ScaleWarps:
         for w in cutlass.range_constexpr(4):
             pos_a, pos_b = _scale_positions(lane + 32 * w)
             sa = _e8m0_to_f32(_block128_byte(wa[w, slot]))
-            if cutlass.const_expr(self.weights_128x128):
+            if cutlass.const_expr(self.b_tiles_128):
                 for h in cutlass.range_constexpr(self.halves):
                     sSFA[pos_a, h, stage] = sa * bt[h]
             else:
@@ -185,7 +186,7 @@ class Sm90ScaleWarps:
         their shared-memory view); 32x32: ``sb`` holds the 8 products row scale x column-group
         scale (4 column groups x 2 rows).
         """
-        if cutlass.const_expr(self.weights_128x128):
+        if cutlass.const_expr(self.b_tiles_128):
             # row scale x tile scale of this thread's rows r0, r0 + 8 (write_scales_128)
             sa0 = sSFA[pos_a, blk, stage]
             sa1 = sSFA[pos_a + 1, blk, stage]
