@@ -439,6 +439,35 @@ def test_moe_1x128_pads_groups_to_128():
         MXFP8MoE(64, 64, 4, 2, scale_blocks="1x128", weight_blocks="32x32")
 
 
+@pytest.mark.parametrize("recipe,b_rows", [("1x128", 128), ("1x32", 1)])
+def test_layer_weight_gradients_take_tiled_activation_operands(recipe, b_rows, monkeypatch):
+    """`MXFP8MoE`'s two weight-gradient GEMMs get the gradient operand with one scale per row
+    and the saved activation operand (x, then SwiGLU's a) in 128 x 128 tiles for the 1x128
+    recipe -- every feature of a 128-feature tile carries the same scale per 128-token block,
+    which an outlier feature makes different from per-feature scales -- and per row for 1x32."""
+    from moe_mxfp8 import MXFP8MoE
+    from moe_mxfp8 import datapath as DP
+
+    seen = []
+    real = DP.grouped_mm_k
+
+    def spy(a, b, offs, **kw):
+        seen.append((a.block_rows, b.block_rows))
+        dense = b.dense_scales()  # (features, 32-token blocks)
+        shared = all(bool((dense[f:f + 128] == dense[f:f + 1]).all())
+                     for f in range(0, dense.shape[0], 128))
+        assert shared == (b.block_rows == 128)
+        return real(a, b, offs, **kw)
+
+    monkeypatch.setattr(DP, "grouped_mm_k", spy)
+    torch.manual_seed(0)
+    layer = MXFP8MoE(256, 192, 4, 2, backend="reference", scale_blocks=recipe)
+    x = torch.randn(96, 256, requires_grad=True)
+    x[:, 5].data.mul_(40)  # an outlier feature: its tile's scale differs from the others'
+    layer(x).sum().backward()
+    assert seen == [(1, b_rows), (1, b_rows)]
+
+
 def _module_sqnr(recipe: str, seed: int = 0) -> dict:
     from moe_mxfp8 import MXFP8MoE
 
