@@ -107,6 +107,34 @@ def test_emulated_kernel_matches_reference(gen, mode, cfg, sizes, clusters):
     _check(out, ref, cfg.out_dtype, f"seed {seed} {stats}")
 
 
+@pytest.mark.parametrize("sizes", [(1000,), SIZES[1:] + (0,)], ids=["E1", "E9"])
+def test_emulated_k_grouped_1x128_with_tiled_activation_operand(gen, sizes):
+    """The 1x128 recipe's weight gradient on sm_100a: the gradient operand with one scale per
+    row and 128-token block, the activation operand in 128 x 128 tiles (``block_rows=128``,
+    what `MXFP8MoE` and `grouped_mm` hand the K-grouped GEMM); the kernel reads their replicated
+    block32 scales as any MXFP8 operand, and its index math (emulated) gives the reference."""
+    seed = _seed(gen)
+    g = torch.Generator().manual_seed(seed)
+    cfg = CFG_K32
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    m = int(offs[-1])
+    x = torch.randn(m, cfg.k, generator=g) * torch.logspace(-1, 1, cfg.k)
+    a = R.quantize_colwise_ref(torch.randn(m, cfg.n, generator=g), offs=offs,
+                               scale_blocks="1x128")
+    b = R.quantize_colwise_ref(x, offs=offs, scale_blocks="1x128", block_rows=128)
+    p = P.describe_k(a, b, offs, cfg.out_dtype, "1x128")
+    assert p.b_block_rows == 128
+    ref = R.grouped_mm(a, b, offs, torch.float32).double()
+    ad, bd, offs_k = P.align_k_groups(a.data, b.data, offs)  # as the launcher does
+    a, b = dataclasses.replace(a, data=ad), dataclasses.replace(b, data=bd)
+    p = dataclasses.replace(p, m=ad.shape[1])
+    ok, why = K.GroupedGemmSm100(K.GroupedGemmSm100.select_config(p)).can_implement(p)
+    assert ok, why
+    stats = {}
+    out = E.emulate(cfg, a, b, offs_k, 3, stats=stats)
+    _check(out, ref, cfg.out_dtype, f"seed {seed} {stats}")
+
+
 def test_emulated_tails_of_every_length(gen):
     """Unaligned group starts (``aligned_groups=True`` with raw offs): the last k-tile of a
     group ends at every offset mod 32, so the tail zeroing runs with every tail length."""
