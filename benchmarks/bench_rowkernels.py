@@ -154,11 +154,12 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
     b_2h = {"bf16": torch.empty(m, 2 * hh, device="cuda", dtype=bf)}
     cases = {  # kernel key, fn, bytes moved; the BF16 twin's kernel (1x32 tables), its bytes
         "swiglu": [
-            ("swiglu_fwd", lambda: K.swiglu_fwd(h, src, tbl, o_h, 128, True, True), m * hh * 6,
+            ("swiglu_fwd", lambda: K.swiglu_fwd(h, src, tbl, o_h, 128, True, col_tile=True),
+             m * hh * 6,
              lambda: K.swiglu_fwd(h, src, tbl32, b_h, 32, True), m * hh * 6, h),
             ("swiglu_bwd", lambda: K.swiglu_bwd(da, h, src, tbl, o_2h, 128, True), m * hh * 10,
              lambda: K.swiglu_bwd(da, h, src, tbl32, b_2h, 32, True), m * hh * 10, h)],
-        "dispatch": [("dispatch", lambda: K.dispatch(x, src, tbl, k, o_d, 128, True, True),
+        "dispatch": [("dispatch", lambda: K.dispatch(x, src, tbl, k, o_d, 128, True, col_tile=True),
                       m * d * 4,
                       None, 0, y)],
         "combine": [("combine_bwd",
@@ -184,7 +185,8 @@ def sweep(K, name: str, kinds: list[str], parts: bool = False, once: bool = Fals
                              ("outputs: columnwise only", only(o_h, ("qcol", "scol")),
                               only(o_2h, ("qcol", "scol")))):
             _line(name, "swiglu_fwd", what,
-                  _ms(lambda oh=oh: K.swiglu_fwd(h, src, tbl, oh, 128, True, True)), m * hh * 6)
+                  _ms(lambda oh=oh: K.swiglu_fwd(h, src, tbl, oh, 128, True, col_tile=True)),
+                  m * hh * 6)
             _line(name, "swiglu_bwd", what,
                   _ms(lambda o2=o2: K.swiglu_bwd(da, h, src, tbl, o2, 128, True)), m * hh * 10)
     for kind in kinds:

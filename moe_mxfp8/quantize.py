@@ -90,12 +90,6 @@ def _col_tensor(data_scale: tuple[torch.Tensor, torch.Tensor], offs,
                        block_rows)
 
 
-def _col_tiles(scale_blocks: str, block_rows: int) -> bool:
-    """Whether a columnwise copy is in 128 x 128 tiles (``block_rows`` checked: 1, or 128 with
-    ``scale_blocks="1x128"``)."""
-    return R.colwise_tiles(scale_blocks, block_rows)
-
-
 def quantize_rowwise(
     x: torch.Tensor, *, rounding: str = "rceil", scale_layout: str = "packed",
     offs: torch.Tensor | None = None, backend: str | None = "auto", scale_blocks: str = "1x32",
@@ -133,7 +127,7 @@ def quantize_colwise(
     """
     _check_common("quantize_colwise", "x", x, 2, rounding, scale_layout, offs)
     block = _act_block(scale_blocks)
-    tiles = _col_tiles(scale_blocks, block_rows)
+    tiles = R.colwise_tiles(scale_blocks, block_rows)
     if resolve_backend(backend, x.device) == "reference":
         return _colwise_ref(x, rounding, scale_layout, offs, scale_blocks, block_rows)
     offs = _kernel_offs(offs)
@@ -153,7 +147,7 @@ def quantize_dual(
     _check_common("quantize_dual", "x", x, 2, rounding, scale_layout, offs)
     C.check_multiple_of("x", x.shape[1], L.BLOCK_SIZE, "the last dim (K)")
     block = _act_block(scale_blocks)
-    tiles = _col_tiles(scale_blocks, col_block_rows)
+    tiles = R.colwise_tiles(scale_blocks, col_block_rows)
     if resolve_backend(backend, x.device) == "reference":
         return (R.quantize_rowwise_ref(x, rounding, scale_layout, offs, scale_blocks),
                 _colwise_ref(x, rounding, scale_layout, offs, scale_blocks, col_block_rows))
