@@ -102,7 +102,8 @@ def auto_scale_blocks(device: torch.device | str) -> str:
 class AutoScaleBlocks:
     """``scale_blocks="auto"`` of one layer: resolved once per kind of device (`device_kind`,
     at the layer's first forward there); a forward that resolves to another recipe than the
-    layer's previous one (the layer moved to another kind of GPU) warns once."""
+    layer's previous one (the layer moved to another kind of GPU) warns once. Forwards traced
+    by ``torch.compile`` resolve it without recording (no guard on this object's state)."""
 
     def __init__(self, who: str) -> None:
         self.who = who
@@ -111,6 +112,12 @@ class AutoScaleBlocks:
     def peek(self, device: torch.device) -> tuple[str, str]:
         """``(recipe, device kind)`` on ``device``, recording nothing."""
         kind = device_kind(device)
+        if torch.compiler.is_compiling():
+            # A traced forward neither reads nor records ``ran``: a guard on it would fail
+            # once the first forward recorded it and recompile the model a second time (6 s
+            # of the GPU training preset's second step, H100, 2026-11-27). The recipe is a
+            # function of the device kind, which the compiled code is specialised on anyway.
+            return auto_scale_blocks(device), kind
         if self.ran is not None and self.ran[0] == kind:
             return self.ran[1], kind
         return auto_scale_blocks(device), kind
@@ -118,6 +125,8 @@ class AutoScaleBlocks:
     def for_forward(self, device: torch.device) -> str:
         """The recipe of a forward on ``device`` (recorded; warns if it changed)."""
         recipe, kind = self.peek(device)
+        if torch.compiler.is_compiling():  # see `peek`: eager forwards record and warn
+            return recipe
         if self.ran is not None and self.ran[0] != kind:
             if self.ran[1] != recipe:
                 warnings.warn(f"{self.who}: scale_blocks='auto' now resolves to {recipe!r} on "

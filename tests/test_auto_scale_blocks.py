@@ -116,6 +116,27 @@ def test_layer_moved_to_another_kind_of_gpu_warns_once(gpu_standin, hopper_picks
     assert _same(_fwd_bwd(layer), _fwd_bwd(_layer("1x32")))
 
 
+def test_compiled_layer_compiles_once(gpu_standin, hopper_picks_1x128):
+    """Under torch.compile the recipe resolves without a guard on the layer's resolution state:
+    steps after the first, eager forwards in between (a training loop's evaluations), replay
+    the first compilation instead of recompiling (which cost the GPU training preset 6 s at its
+    second step). The compiled steps compute what the eager layer computes."""
+    gpu_standin(HOPPER)
+    layer = _layer()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        first = _fwd_bwd(compiled)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(2):
+                assert _same(_fwd_bwd(compiled), first)
+                assert _same(_fwd_bwd(layer), first)  # eager: records the resolution
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    finally:
+        torch._dynamo.reset()
+    assert layer.resolved_scale_blocks() == "1x128"
+
+
 def test_repr_names_request_and_resolution(gpu_standin, hopper_picks_1x128):
     gpu_standin(HOPPER)
     assert "scale_blocks='auto' (1x128 on cpu sm_90)" in repr(_layer())

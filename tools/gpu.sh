@@ -9,7 +9,8 @@
 #                     on an H100, 2026-11-27); `tests` = all five
 #   bench-quant       quantizer kernels vs copy and torch.compile, then both recipes side by side
 #   bench-gemm        grouped GEMMs vs bf16 torch._grouped_mm and fp8 rowwise, per shape
-#   bench-layer       MXFP8MoE vs its BF16 twin, both recipes: time, peak memory, determinism
+#   bench-layer       MXFP8MoE vs its BF16 twin, both recipes: time, per-phase time, host time,
+#                     peak memory, determinism
 #   bench-rowkernels  the 1x128 data-path row kernels at other tilings, with their ceilings
 #   first-step        a second process's first forward+backward against the BF16 twin's
 #   ep                expert parallelism over NCCL: tests at EP = 1, 2, 4 as the GPUs allow, then
@@ -17,7 +18,9 @@
 #   parity            the GPU parity preset (train_example.parity --preset gpu)
 #   determinism       one forward+backward twice, bitwise, at the three benchmark shapes
 #   tune-gemm         the Hopper GEMM's tuning sweep (benchmarks.tune_grouped_gemm_sm90)
-#   ncu-gemm          Nsight Compute of one warm Hopper GEMM launch (fprop and wgrad, 1x128)
+#   ncu-gemm          Nsight Compute of one warm Hopper GEMM launch (fprop and wgrad, 1x128;
+#                     NCU_OPS="wgrad:1 wgrad": the wgrad with per-feature activation scales,
+#                     then with 128 x 128 tiles)
 #   ncu-rowkernels    Nsight Compute of the 1x128 SwiGLU kernels
 #   bench-peers       grouped GEMMs vs bf16 and torchao's FP8-rowwise op, incl. quantization
 #                     (tools/gpu_bench_gemm_peers.sh; carry ".devwheels" too)
@@ -25,12 +28,12 @@
 #   parity-seeds      the multi-seed parity protocol (tools/gpu_parity_seeds.sh)
 #   several-gpus      two GPUs: a layer on cuda:1, FSDP2 over NCCL (tests, 2+ GPUs)
 # Env: OUT; LIMIT (seconds per suite, else the suite's default); SHAPES (benchmark shapes, comma
-# separated); GEMM_MODES (bench-gemm, default 1x128); PARITY_ARGS (default --bf16-repeat 1);
+# separated); GEMM_MODES (bench-gemm, default 1x128); PARITY_ARGS (default --bf16-repeat 1); NCU_OPS;
 # WORKERS (pytest-xdist processes for the test suites, where the image has xdist; default 6 for
 # the single-process suites gemm, layer, datapath and quant, which then take 40-80 s each on an
 # H100 instead of running past their limits; 0 turns it off).
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,34p' "$0"; exit 2; }
 source tools/device_prelude.sh name,driver_version,clocks.max.sm
 python -c "import torch; print('torch', torch.__version__)"
 SHAPES=${SHAPES:-dsv3,mixtral,qwen3}
@@ -134,12 +137,14 @@ ncu_gemm() {
   m="$m,lts__t_sectors.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum"
   m="$m,smsp__inst_executed.sum"
   m="$m,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
-  for op in fprop wgrad; do
-    timeout $(( $(limit ncu-gemm) / 2 )) ncu --clock-control none --launch-skip 1 \
+  # NCU_OPS: "op[:act_rows]" ... (wgrad:1 = the activation operand with per-feature scales)
+  for spec in ${NCU_OPS:-fprop wgrad}; do
+    local op=${spec%%:*} rows=128; [ "$spec" != "$op" ] && rows=${spec#*:}
+    timeout $(( $(limit ncu-gemm) / 3 )) ncu --clock-control none --launch-skip 1 \
       --launch-count 1 -k regex:GroupedGemm --metrics "$m" python tools/ncu_gemm.py "$op" \
-      > "$OUT/ncu_gemm_$op.txt" 2>&1
-    echo "-- $op rc=$?"
-    grep -E "GroupedGemm|pct|ratio|duration|inst_executed" "$OUT/ncu_gemm_$op.txt" \
+      --act-rows "$rows" > "$OUT/ncu_gemm_${op}_$rows.txt" 2>&1
+    echo "-- $op act_rows $rows rc=$?"
+    grep -E "GroupedGemm|pct|ratio|duration|inst_executed" "$OUT/ncu_gemm_${op}_$rows.txt" \
       | awk '$NF+0 > 0.05 || /GroupedGemm|pct|duration|inst_executed/' | head -40
   done
 }
@@ -175,7 +180,7 @@ for suite in "$@"; do
     bench-layer)
       timeout "$(limit bench-layer)" python -m benchmarks.bench_moe_layer --shapes "$SHAPES" \
         --skews 0 --passes fwd+bwd --scale-blocks 1x32,1x128 --memory --determinism \
-        --json "$OUT/layer.json" \
+        --host-time --json "$OUT/layer.json" \
         2>&1 | grep -v "$FILTER" | tee "$OUT/layer.txt" ;;
     bench-rowkernels)
       timeout "$(limit bench-rowkernels)" python -m benchmarks.bench_rowkernels --parts \

@@ -3,10 +3,13 @@
     ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:GroupedGemm \\
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
         python tools/ncu_gemm.py fprop|dgrad|wgrad [--tokens T] [--tuning '{"tile_n": 128}']
+            [--act-rows 1|128]
 
 dsv3's expert shapes (E = 8, d = 7168, f = 2048; fewer tokens than the benchmark by default),
 operands from the reference quantizers, the 1x128 recipe; the kernel runs twice (the first
-launch compiles or loads it), so ``--launch-skip 1`` profiles a warm launch.
+launch compiles or loads it), so ``--launch-skip 1`` profiles a warm launch. ``--act-rows``: the
+wgrad's activation operand X^T in 128 x 128 tiles (128, the layer's 1x128 recipe) or with one
+scale per feature row (1: the kernel before the tiles, one FMUL more per element).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ def main():
     ap.add_argument("op", choices=("fprop", "dgrad", "wgrad"))
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--tuning", default=None, help="JSON dict of GroupedGemmSm90Config fields")
+    ap.add_argument("--act-rows", type=int, choices=(1, 128), default=128,
+                    help="wgrad: block rows of the activation operand's scales")
     args = ap.parse_args()
     e, t, d, f = 8, args.tokens, 7168, 2048
     dev = "cuda"
@@ -35,7 +40,7 @@ def main():
         a = R.quantize_colwise_ref(torch.randn(t, 2 * f, device=dev, dtype=torch.bfloat16),
                                    offs=offs, scale_blocks="1x128")
         b = R.quantize_colwise_ref(torch.randn(t, d, device=dev, dtype=torch.bfloat16),
-                                   offs=offs, scale_blocks="1x128")
+                                   offs=offs, scale_blocks="1x128", block_rows=args.act_rows)
 
         def run():
             return launcher.grouped_mm(GroupedGemmSm90, "k", a, b, offs, torch.bfloat16,
@@ -54,7 +59,7 @@ def main():
     for _ in range(2):
         run()
     torch.cuda.synchronize()
-    print("ok", args.op, t)
+    print("ok", args.op, t, "act_rows", args.act_rows if args.op == "wgrad" else "-")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true",
                    help="every run with PyTorch's deterministic algorithms (a BF16 repeat then "
                         "measures 0 run-to-run spread where the GPU allows it)")
+    p.add_argument("--compile", choices=T.COMPILE_MODES, default="auto",
+                   help="torch.compile mode of every run (train_example.train --compile; "
+                        "auto: CUDA-graph replays on a GPU, eager on the CPU)")
     p.add_argument("--bf16-repeat", type=nonneg, default=0,
                    help="train BF16 this many more times (same seed) to measure its run-to-run "
                         "noise; the verdict then allows that much difference")
@@ -401,7 +404,8 @@ def _main(argv: list[str]) -> int:
     common = ["--preset", args.preset, "--device", str(args.device), "--seed", str(args.seed),
               "--log-every", str(args.log_every)]
     for opt, val in (("--steps", args.steps), ("--backend", args.backend),
-                     ("--eval-every", args.eval_every), ("--wgrad", args.wgrad)):
+                     ("--eval-every", args.eval_every), ("--wgrad", args.wgrad),
+                     ("--compile", args.compile)):
         if val is not None:
             common += [opt, str(val)]
     if args.quiet:
@@ -439,7 +443,7 @@ def _main(argv: list[str]) -> int:
         "preset": args.preset, "steps": tc.steps, "warmup_steps": tc.warmup_steps,
         "seed": args.seed, "device": str(dev), "device_name": device_name,
         "backend": run_info["backend"], "wgrad": args.wgrad or "mxfp8",
-        "scale_blocks": args.scale_blocks or AUTO,
+        "scale_blocks": args.scale_blocks or AUTO, "compile": run_info.get("compile"),
         "scale_blocks_resolved": run_info.get("scale_blocks_resolved"),
         "parameters": run_info["parameters"],
         "active_parameters": run_info["active_parameters"],

@@ -20,6 +20,15 @@ lr, aux_loss, grad_norm; val_loss empty between evaluations), ``checkpoint/model
 
 A step whose loss or gradient norm is not finite stops the run with one line before its
 optimizer step (the parameters and the last checkpoint stay as they were).
+
+``--compile`` (default ``auto``: ``reduce-overhead`` on a GPU, ``none`` on the CPU) runs the
+model's forward and backward through ``torch.compile`` with CUDA-graph replays (the optimizer,
+the gradient clipping and the evaluations stay eager): a small model on a GPU is bound by the
+host time of launching its kernels (about 5 ms a step for each eager `MXFP8MoE` layer, more
+than its GPU time at the ``gpu`` preset), and a replay removes that cost -- at the ``gpu``
+preset 2.2x the eager MXFP8 step's throughput, and MXFP8 then 1.06x BF16's instead of 0.81x
+(H100, 2026-11-27, benchmarks/RESULTS.md "Training parity"). ``default`` compiles without
+graphs. The resolved mode is a run setting: a resume keeps it.
 """
 
 from __future__ import annotations
@@ -57,6 +66,10 @@ STATE_SHA256_KEY = "state_sha256"  # model.safetensors metadata: SHA-256 of its 
 # What a run writes into --out: an --out holding any of these is an existing run, which only
 # --resume (continue it) or --overwrite (delete these, start over) may touch.
 RUN_FILES = ("log.csv", "run.json", CKPT_DIR)
+# torch.compile modes of --compile ("none": eager; "auto": `resolve_compile`)
+COMPILE_MODES = ("auto", "none", "default", "reduce-overhead")
+# Settings added after runs were checkpointed without them: an absent one is its value here.
+SETTING_DEFAULTS = {"compile": "none"}
 EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT
 
 
@@ -218,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PyTorch's deterministic algorithms, strict (attention's backward "
                         "included), and cuBLAS's fixed workspace: a rerun with the same seed "
                         "gives the same bits on the same GPU")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                   help="torch.compile the model's forward and backward: reduce-overhead "
+                        "replays them as CUDA graphs (no per-step launch cost), default "
+                        "compiles without graphs, none runs eagerly; auto (default): "
+                        "reduce-overhead on a GPU, none on the CPU")
     return p
 
 
@@ -440,7 +458,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def settings_diff(saved: dict, now: dict) -> list[str]:
     """The settings that differ, as ``"train.steps (checkpoint 200, now 400)"``. The checkpoint
     interval may change between invocations; nothing else may."""
-    a, b = _flatten(saved), _flatten(now)
+    a, b = _flatten({**SETTING_DEFAULTS, **saved}), _flatten(now)
     missing = "(absent)"
     return [f"{k} (checkpoint {a.get(k, missing)!r}, now {b.get(k, missing)!r})"
             for k in sorted(a.keys() | b.keys())
@@ -605,6 +623,24 @@ def evaluate(model, batches, device, autocast) -> float:
     return total / len(batches)
 
 
+def resolve_compile(mode: str, device: torch.device) -> str:
+    """``--compile auto``: CUDA-graph replays on a GPU (where an eager step of a small model is
+    bound by launching its kernels), eager on the CPU (where inductor's compile costs more than
+    a short run gains); any other mode as given."""
+    if mode != "auto":
+        return mode
+    return "reduce-overhead" if device.type == "cuda" else "none"
+
+
+def compiled(model: torch.nn.Module, mode: str):
+    """The callable a training step runs: ``model`` itself (``mode`` "none") or
+    ``torch.compile(model, mode=...)`` -- the same module and parameters, so checkpoints, the
+    optimizer and the eager evaluations see no difference."""
+    if mode == "none":
+        return model
+    return torch.compile(model, mode=None if mode == "default" else mode)
+
+
 def set_deterministic() -> None:
     """Same seed, same GPU -> same bits: PyTorch's deterministic algorithms in their strict mode
     and a fixed cuBLAS workspace (set before the first GEMM creates cuBLAS's). Strict, because
@@ -631,6 +667,7 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
     args = build_parser().parse_args(argv)
     tc = train_config(args)
     device = torch.device(args.device)
+    args.compile = resolve_compile(args.compile, device)
     if args.deterministic:
         set_deterministic()
     backend = args.backend or default_backend(device)
@@ -646,7 +683,7 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
                                                    model_config(args.preset).max_seq_len))
     settings = {"precision": args.precision, "preset": args.preset, "seed": args.seed,
                 "backend": backend, "wgrad": args.wgrad, "scale_blocks": args.scale_blocks,
-                "train": asdict(tc),
+                "compile": args.compile, "train": asdict(tc),
                 "model": mc.to_dict()}
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
     prepare_out(out, args.resume, args.overwrite)
@@ -664,6 +701,7 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
         f"{mc.n_layers} layers, dim {mc.dim}, {mc.num_experts} experts top-{mc.top_k}, "
         f"hidden {mc.hidden_dim}; precision {args.precision}, backend {backend}, "
         f"device {device}")
+    step_model = compiled(model, args.compile)
     opt = torch.optim.AdamW(_param_groups(model, tc.weight_decay), lr=tc.lr,
                             betas=(tc.beta1, tc.beta2), eps=1e-8)
 
@@ -696,8 +734,11 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
                     g["lr"] = lr
                 x, y = D.train_batch(text, step - 1, tc.batch_size, tc.seq_len, args.seed)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                if args.compile == "reduce-overhead":
+                    # a new training step: the previous replay's outputs may be overwritten
+                    torch.compiler.cudagraph_mark_step_begin()
                 with autocast():
-                    logits = model(x)
+                    logits = step_model(x)
                 loss = lm_loss(logits, y)
                 aux = model.aux_loss
                 (loss + aux).backward()

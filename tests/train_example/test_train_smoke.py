@@ -100,6 +100,42 @@ def test_resume_refuses_other_settings(tmp_path):
         _train(tmp_path, "--precision", "mxfp8", "--resume")
 
 
+def test_compile_option_trains_and_is_a_run_setting(tmp_path):
+    """``--compile default`` trains through torch.compile (inductor on the CPU; the GPU runs
+    replay CUDA graphs with ``reduce-overhead``): the loss falls as eagerly; the mode is a
+    setting of the run, so a resume with another mode is refused and one with the same mode
+    continues."""
+    rows = _train(tmp_path, "--precision", "mxfp8", "--compile", "default", "--stop-after", "6")
+    assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in rows)
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert json.loads((tmp_path / "run.json").read_text())["compile"] == "default"
+    with pytest.raises(SystemExit, match="other settings.*compile"):
+        _train(tmp_path, "--precision", "mxfp8", "--resume")
+    resumed = _train(tmp_path, "--precision", "mxfp8", "--compile", "default", "--resume")
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # the whole log
+
+
+def test_checkpoints_without_the_compile_setting_resume_eagerly():
+    """Runs checkpointed before ``--compile`` existed hold no such setting: it reads as "none"."""
+    saved = {"precision": "mxfp8", "train": {"steps": 10}}
+    assert T.settings_diff(saved, {**saved, "compile": "none"}) == []
+    assert T.settings_diff(saved, {**saved, "compile": "reduce-overhead"}) == [
+        "compile (checkpoint 'none', now 'reduce-overhead')"]
+
+
+def test_parity_passes_the_compile_mode_to_every_run(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(argv, label=""):
+        seen.append(argv)
+        raise KeyboardInterrupt  # stop after the first run's command line
+
+    monkeypatch.setattr(T, "run", fake_run)
+    parity.main(["--preset", "micro", "--device", "cpu", "--out", str(tmp_path / "p"),
+                 "--compile", "reduce-overhead", "--quiet"])
+    assert seen and seen[0][seen[0].index("--compile") + 1] == "reduce-overhead"
+
+
 def test_wgrad_option_reaches_every_moe_layer():
     from train_example.model import MoETransformer, model_config
 
