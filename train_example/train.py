@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -625,11 +626,18 @@ def evaluate(model, batches, device, autocast) -> float:
 
 def resolve_compile(mode: str, device: torch.device) -> str:
     """``--compile auto``: CUDA-graph replays on a GPU (where an eager step of a small model is
-    bound by launching its kernels), eager on the CPU (where inductor's compile costs more than
-    a short run gains); any other mode as given."""
+    bound by launching its kernels) when Triton is there for inductor, else eager; eager on
+    the CPU (where inductor's compile costs more than a short run gains); any other mode as
+    given."""
     if mode != "auto":
         return mode
-    return "reduce-overhead" if device.type == "cuda" else "none"
+    if device.type != "cuda":
+        return "none"
+    if importlib.util.find_spec("triton") is None:  # inductor's GPU code generator
+        print("note: --compile auto runs eagerly: Triton is not installed (pip install triton)",
+              file=sys.stderr, flush=True)
+        return "none"
+    return "reduce-overhead"
 
 
 def compiled(model: torch.nn.Module, mode: str):

@@ -123,6 +123,25 @@ def test_checkpoints_without_the_compile_setting_resume_eagerly():
         "compile (checkpoint 'none', now 'reduce-overhead')"]
 
 
+def test_compile_auto_resolves_per_device(monkeypatch, capsys):
+    """auto: graphs on a GPU with Triton, eager on the CPU and on a GPU without Triton (one
+    note, not an inductor error at the first step); an explicit mode is kept as given."""
+    import importlib.util
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert T.resolve_compile("auto", cpu) == "none"
+    assert T.resolve_compile("default", cpu) == "default"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "triton" else real(name, *a))
+    assert T.resolve_compile("auto", cuda) == "reduce-overhead"
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    assert T.resolve_compile("auto", cuda) == "none"
+    assert "Triton is not installed" in capsys.readouterr().err
+    assert T.resolve_compile("none", cuda) == "none"
+
+
 def test_parity_passes_the_compile_mode_to_every_run(tmp_path, monkeypatch):
     seen = []
 
