@@ -102,10 +102,14 @@ def test_resume_refuses_other_settings(tmp_path):
 
 def test_compile_option_trains_and_is_a_run_setting(tmp_path):
     """``--compile default`` trains through torch.compile (inductor on the CPU; the GPU runs
-    replay CUDA graphs with ``reduce-overhead``): the loss falls as eagerly; the mode is a
-    setting of the run, so a resume with another mode is refused and one with the same mode
-    continues."""
-    rows = _train(tmp_path, "--precision", "mxfp8", "--compile", "default", "--stop-after", "6")
+    replay CUDA graphs with ``reduce-overhead``), compiling once: the loss falls as eagerly; the
+    mode is a setting of the run, so a resume with another mode is refused and one with the
+    same mode continues."""
+    torch._dynamo.reset()
+    # compiled once: no step (nor the eager evaluations between steps) makes Dynamo recompile
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        rows = _train(tmp_path, "--precision", "mxfp8", "--compile", "default",
+                      "--stop-after", "6")
     assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in rows)
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert json.loads((tmp_path / "run.json").read_text())["compile"] == "default"
