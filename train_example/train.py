@@ -708,7 +708,7 @@ def run(argv: list[str] | None = None, *, label: str = "") -> list[dict]:
     log(f"model: preset {args.preset}, {total:,} parameters ({active:,} active per token), "
         f"{mc.n_layers} layers, dim {mc.dim}, {mc.num_experts} experts top-{mc.top_k}, "
         f"hidden {mc.hidden_dim}; precision {args.precision}, backend {backend}, "
-        f"device {device}")
+        f"device {device}, compile {args.compile}")
     step_model = compiled(model, args.compile)
     opt = torch.optim.AdamW(_param_groups(model, tc.weight_decay), lr=tc.lr,
                             betas=(tc.beta1, tc.beta2), eps=1e-8)
