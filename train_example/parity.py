@@ -367,6 +367,13 @@ def _train(common: list[str], precision: str, run_dir: Path, args, label: str) -
     return time.perf_counter() - t
 
 
+def steps_seconds(rows: list[dict], tc) -> float:
+    """Seconds of a run's logged training steps after the first (each row's tokens over its
+    tokens/s; evaluations and checkpoints are not in them)."""
+    tokens = tc.batch_size * tc.seq_len
+    return sum(tokens / r["tokens_per_s"] for r in rows[1:] if r["tokens_per_s"] > 0)
+
+
 def check_protocol_args(args) -> None:
     """The protocol's options only with ``--seeds``, and not with ``--bf16-repeat``."""
     if args.seeds is None:
@@ -451,6 +458,9 @@ def _main(argv: list[str]) -> int:
         "final_val_loss": {p: logs[p][-1]["val_loss"] for p in PRECISIONS},
         # With --resume, the time of this invocation only.
         "wall_time_s": {**wall, "total": time.perf_counter() - t0},
+        # The training steps alone, from the logs, the first step left out (it holds the
+        # one-time compilation: kernels, and the model's own under --compile).
+        "step_time_s": {p: steps_seconds(logs[p], tc) for p in PRECISIONS},
         "resumed": bool(args.resume),
         "torch": torch.__version__, "python": platform.python_version(),
     }
@@ -467,6 +477,10 @@ def _main(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    st = summary["step_time_s"]
+    if st["mxfp8"] > 0:
+        print(f"training steps after the first: mxfp8 {st['mxfp8']:.1f} s, bf16 "
+              f"{st['bf16']:.1f} s (bf16 / mxfp8 = {st['bf16'] / st['mxfp8']:.2f}x)", flush=True)
     print(f"wrote {out / 'loss.csv'}, {out / 'loss.png'}, {out / 'summary.json'} "
           f"({summary['wall_time_s']['total']:.0f} s)", flush=True)
     ok = verdict["within_bf16_noise"]["pass"] if "bf16_noise" in verdict else verdict["pass"]

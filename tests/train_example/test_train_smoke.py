@@ -49,6 +49,8 @@ def test_parity_writes_files(parity_run):
     assert summary["pass"] == (rc == 0)
     assert summary["preset"] == "micro" and summary["steps"] == STEPS
     assert set(summary["final_val_loss"]) == {"bf16", "mxfp8"}
+    assert set(summary["step_time_s"]) == {"bf16", "mxfp8"}
+    assert all(0 < v < summary["wall_time_s"][p] for p, v in summary["step_time_s"].items())
     lines = (out / "loss.csv").read_text().splitlines()
     assert lines[0].split(",") == list(parity.LOSS_FIELDS)
     assert len(lines) == 1 + STEPS
