@@ -290,7 +290,7 @@ def run(args, common: list[str], out: Path, tc, train) -> int:
         "preset": args.preset, "steps": tc.steps, "warmup_steps": tc.warmup_steps,
         "seeds": seeds, "recipes": args.recipes, "device": str(dev),
         "device_name": device_name, "deterministic": bool(args.deterministic),
-        "wgrad": args.wgrad or "mxfp8", "compile": T.resolve_compile(args.compile, args.device),
+        "wgrad": args.wgrad or "mxfp8", "compile": info.get("compile"),  # as the runs resolved it
         "wall_time_s": time.perf_counter() - t0,
         "resumed": bool(args.resume), "torch": torch.__version__,
         "python": platform.python_version(),

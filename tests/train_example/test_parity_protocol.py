@@ -91,6 +91,7 @@ def test_protocol_end_to_end(tmp_path, capsys):
     proto = summary["protocol"]
     st = proto["recipes"]["1x128"]
     assert summary["seeds"] == [0, 1] and proto["seeds"] == [0, 1]
+    assert summary["compile"] == "none"  # the mode the runs resolved (--compile auto, CPU)
     assert summary["pass"] == st["verdict"]["pass"] == (rc == 0) and rc in (0, 1)
     assert st["resolved"] == "1x128"
     # the paired differences are the per-seed final losses' (criterion 1 of the single run)
