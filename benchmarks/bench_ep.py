@@ -9,14 +9,16 @@ tokens / world size) it prints, from rank 0:
 * dispatch bytes per rank (T k rows of D + D/32 bytes vs 2 D bytes) and the median time of the
   dispatch (quantize + gather + all-to-all + dequantize for MXFP8; gather + all-to-all for
   BF16; the landing is the expert block's own dispatch), and of the all-to-all alone;
-* the layer's forward+backward step: `MXFP8MoE` with ``ep_group`` (token payload MXFP8 or BF16
-  with a BF16 ``dy`` payload, and MXFP8 for both)
-  against the same layer without EP holding every expert, on one GPU with the same tokens --
-  at world size 1 that measures the EP path's overhead; at N > 1 the EP step per rank vs one
-  GPU doing the rank's share of tokens with all experts.
+* the layer's forward+backward step, the input's gradient included: `MXFP8MoE` with
+  ``ep_group`` (token payload MXFP8 or BF16 with a BF16 ``dy`` payload, and MXFP8 for both;
+  the input gradients' return after the expert block or beside its weight gradients, leaving
+  them 0-48 SMs) against the same layer without EP holding every expert, on one GPU with the
+  same tokens -- at world size 1 that measures the EP path's overhead; at N > 1 the EP step per
+  rank vs one GPU doing the rank's share of tokens with all experts.
 
 Routing is the layer's own router on random tokens (about balanced). CUDA events around eager
-calls (the EP path reads its split sizes on the host, so no CUDA graphs), medians of 5.
+calls (the EP path reads its split sizes on the host, so no CUDA graphs), medians of 5, the
+peak memory of each step; ``--profile``: each step's top GPU kernels and its NCCL kernel time.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_moe_layer import SHAPES
+from benchmarks.bench_moe_layer import SHAPES, LayerShape
 from benchmarks.timing import collective_ms
 from moe_mxfp8 import MXFP8MoE
 from moe_mxfp8 import expert_parallel as EP
@@ -36,10 +38,16 @@ from moe_mxfp8 import expert_parallel as EP
 BF16 = torch.bfloat16
 DEV = "cuda"  # --cpu-dry-run: gloo on the CPU, reference backend, tiny shapes (checks the script)
 BACKEND = "auto"
+PROFILE = False  # --profile: each step's top GPU kernels
+WARMUP, REPS = 2, 5  # calls before timing, timed calls (the median)
+TRACE_DIR = ""  # --trace DIR: each profiled step's Chrome trace, per rank
+# --cpu-dry-run's own shape (checks the script in seconds; 128: a whole 1x128 block)
+DRY_RUN_SHAPES = {"tiny": LayerShape("tiny", 8, 256, 128, 128, 2)}
+RETURN_SMS_SWEEP = (0, 16, 24, 32, 48)  # SMs the weight gradients leave the early input-grad return
 
 
-def time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
-    return collective_ms(fn, warmup, reps, cuda=DEV == "cuda")
+def time_ms(fn) -> float:
+    return collective_ms(fn, WARMUP, REPS, cuda=DEV == "cuda")
 
 
 def bench_shape(shape, tokens: int, group) -> dict:
@@ -49,7 +57,10 @@ def bench_shape(shape, tokens: int, group) -> dict:
     full = MXFP8MoE(d, shape.hidden, e, k, device=DEV, backend=BACKEND)
     sd = full.state_dict()
     torch.manual_seed(1 + dist.get_rank())
-    x = torch.randn(tokens, d, device=DEV).to(BF16)
+    # the input needs its gradient, as every MoE layer's but a first layer's does: the step
+    # includes the gate/up dgrad and, with EP, the input gradients' return
+    xg = torch.randn(tokens, d, device=DEV).to(BF16).requires_grad_()
+    x = xg.detach()
     dy = torch.randn(tokens, d, device=DEV).to(BF16)
     res = {"shape": shape.name, "world_size": ws, "tokens_per_rank": tokens, "dim": d,
            "hidden": shape.hidden, "experts": e, "top_k": k}
@@ -74,23 +85,104 @@ def bench_shape(shape, tokens: int, group) -> dict:
     def step(layer):
         def fn():
             layer.zero_grad(set_to_none=True)
-            y = layer(x)
+            xg.grad = None
+            y = layer(xg)
             y.backward(dy)
         return fn
 
-    res["step_ms_one_gpu_all_experts"] = time_ms(step(full))
+    def timed(key, layer):
+        if DEV == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        res[f"step_ms_{key}"] = time_ms(step(layer))
+        if DEV == "cuda":
+            res[f"peak_gib_{key}"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if PROFILE:
+            trace = (f"{TRACE_DIR}/{shape.name}_{key}_rank{dist.get_rank()}.json" if TRACE_DIR
+                     else "")
+            res[f"profile_{key}"] = kernel_profile(step(layer), trace=trace)
+
+    timed("one_gpu_all_experts", full)
     del full
     for payload, grad_payload in (("mxfp8", "bf16"), ("bf16", "bf16"), ("mxfp8", "mxfp8")):
         ep = MXFP8MoE(d, shape.hidden, e, k, device=DEV, backend=BACKEND, ep_group=group,
                       ep_payload=payload, ep_grad_payload=grad_payload)
         ep.load_state_dict(sd)
         key = payload if grad_payload == "bf16" else f"{payload}_grad_{grad_payload}"
-        res[f"step_ms_ep_{key}"] = time_ms(step(ep))
+        timed(f"ep_{key}", ep)
+        if (payload, grad_payload) == ("mxfp8", "bf16"):
+            # the input-gradient return beside the weight gradients, with the SMs they leave
+            # it; "after": the return waits for the whole expert block's backward
+            for sms in (None, *RETURN_SMS_SWEEP):
+                ep.dispatcher.return_sms = sms
+                timed(f"ep_{key}_return_{'after' if sms is None else sms}", ep)
+            ep.dispatcher.return_sms = EP.RETURN_SMS
         del ep
     if DEV == "cuda":
-        res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.empty_cache()
     return res
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def timeline(spans: list[tuple[float, float, bool]]) -> dict:
+    """GPU kernels ``(start, end, is NCCL)`` (any one unit) -> ``busy`` (time any kernel runs),
+    ``nccl`` (time an NCCL kernel runs) and ``nccl_hidden`` (time an NCCL kernel runs while
+    another kernel does: the exchange overlapped with compute)."""
+    nccl = _union([(a, b) for a, b, is_nccl in spans if is_nccl])
+    other = _union([(a, b) for a, b, is_nccl in spans if not is_nccl])
+    hidden, j = 0.0, 0
+    for a, b in nccl:
+        while j < len(other) and other[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(other) and other[k][0] < b:
+            hidden += min(b, other[k][1]) - max(a, other[k][0])
+            k += 1
+    return {"busy": sum(b - a for a, b in _union([(a, b) for a, b, _ in spans])),
+            "nccl": sum(b - a for a, b in nccl), "nccl_hidden": hidden}
+
+
+def kernel_profile(fn, top: int = 12, trace: str = "") -> dict:
+    """One call of ``fn`` under the profiler: ``kernels``, ``[name, total ms, calls]`` of its
+    ``top`` GPU kernels by total time (CPU ops on the CPU), then the NCCL kernels' sum
+    (``"nccl (all)"``) and every kernel's (``"all kernels"``); on a GPU also ``timeline``:
+    `timeline` of its kernels in ms. ``trace``: also write the profile there (Chrome trace)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEV == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    if trace:
+        prof.export_chrome_trace(trace)
+    rows = [(e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
+            for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+    nccl = sum(r[1] for r in rows if "nccl" in r[0].lower())
+    total = sum(r[1] for r in rows)
+    out: dict = {"kernels": [[r[0][:80], round(r[1], 3), r[2]] for r in rows[:top]]
+                 + [["nccl (all)", round(nccl, 3), 0], ["all kernels", round(total, 3), 0]]}
+    if cuda:
+        spans = [(e.time_range.start / 1e3, e.time_range.end / 1e3, "nccl" in e.name.lower())
+                 for e in prof.events() if e.device_type == DeviceType.CUDA]
+        out["timeline"] = {k: round(v, 3) for k, v in timeline(spans).items()}
+    return out
 
 
 def main() -> None:
@@ -99,8 +191,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=0, help="tokens per rank (0: shape / ws)")
     ap.add_argument("--json", default="")
     ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one call of each step: its top GPU kernels (JSON)")
+    ap.add_argument("--trace", default="", help="with --profile: write each profiled step's "
+                    "Chrome trace into this folder, per rank")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls (median)")
+    ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
-    global DEV, BACKEND
+    global DEV, BACKEND, PROFILE, WARMUP, REPS, TRACE_DIR
+    PROFILE, WARMUP, REPS, TRACE_DIR = args.profile, args.warmup, args.reps, args.trace
+    if TRACE_DIR:
+        os.makedirs(TRACE_DIR, exist_ok=True)
     if args.cpu_dry_run:
         DEV, BACKEND = "cpu", "reference"
     if "RANK" not in os.environ:  # plain python: world size 1
@@ -115,7 +216,7 @@ def main() -> None:
     group = dist.group.WORLD
     rows = []
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
+        shape = {**SHAPES, **DRY_RUN_SHAPES}[name]
         tokens = args.tokens or shape.tokens // dist.get_world_size()
         r = bench_shape(shape, tokens, group)
         rows.append(r)
@@ -131,6 +232,14 @@ def main() -> None:
                   f"{r['a2a_ms_mxfp8']:6.2f}/{r['a2a_ms_bf16']:<6.2f} "
                   f"{r['step_ms_one_gpu_all_experts']:8.1f}/{r['step_ms_ep_mxfp8']:.1f}/"
                   f"{r['step_ms_ep_bf16']:.1f}/{r['step_ms_ep_mxfp8_grad_mxfp8']:.1f}")
+        print("EP step (MXFP8 tokens) with the input-gradient return after the expert block / "
+              "beside its weight gradients leaving N SMs: ms (x one GPU)")
+        for r in rows:
+            one = r["step_ms_one_gpu_all_experts"]
+            cells = [f"{n}: {r[f'step_ms_ep_mxfp8_return_{n}']:.1f} "
+                     f"({r[f'step_ms_ep_mxfp8_return_{n}'] / one:.2f}x)"
+                     for n in ("after", *RETURN_SMS_SWEEP)]
+            print(f"{r['shape']:6} one GPU {one:.1f} | " + " | ".join(cells))
         if args.json:
             gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
             with open(args.json, "w") as f:

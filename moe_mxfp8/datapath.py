@@ -16,11 +16,17 @@ weights are quantized along each axis the GEMMs need (along K in forward, along 
 down's N-axis copy in forward, from the same read), or come quantized already (``weights_q``:
 `moe_mxfp8.weight_cache`, once per optimizer step). Backward runs as four operators that free,
 between them, what only an earlier one read (see "Backward runs in four operators" below).
+A caller may be told the input gradient as soon as it exists, before the weight gradients
+(`on_input_grad`: the expert-parallel dispatcher starts its return exchange there).
 The expert GEMMs are `moe_mxfp8.grouped_gemm.grouped_mm_m` / ``grouped_mm_k`` (MXFP8) or
 ``torch._grouped_mm`` (BF16 twin).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -34,7 +40,7 @@ from .config import (
     check_scale_blocks,
     resolve_scale_blocks,
 )
-from .grouped_gemm import grouped_mm_k, grouped_mm_m
+from .grouped_gemm import grouped_mm_k, grouped_mm_m, leave_sms
 from .kernels.mx_format import ACT_BLOCK, WEIGHT_BLOCK_ROWS
 from .mx_tensor import FP8, MXFP8Tensor
 from .op_library import define_op
@@ -461,6 +467,27 @@ def _bwd_dw_fake(dh_w, dh_w_scale, sx, sx_scale, dy_w, dy_w_scale, sa, sa_scale,
     return dh_w.new_empty(e, h2, d, dtype=BF16), dwdn
 
 
+InputGradHook = Callable[[Tensor], int]
+_INPUT_GRAD_HOOK: ContextVar[InputGradHook | None] = ContextVar("moe_mxfp8_input_grad_hook",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def on_input_grad(hook: InputGradHook) -> Iterator[None]:
+    """Routed-expert blocks whose forward runs inside call ``hook(dx)`` in their backward as
+    soon as their input gradient ``dx (T, D)`` bf16 exists -- after the gate/up dgrad, before
+    the two weight-gradient GEMMs, which do not read it -- and launch those GEMMs leaving the
+    number of SMs ``hook`` returns free. The expert-parallel dispatcher starts the return
+    exchange of ``dx`` there, so that it runs beside the weight gradients rather than after
+    them. ``dx`` is also the block's returned gradient, unchanged. Eager forwards only: a
+    forward traced by ``torch.compile`` does not read the hook."""
+    token = _INPUT_GRAD_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _INPUT_GRAD_HOOK.reset(token)
+
+
 N_SAVED = 12  # tensors `_setup_context` saves before the optional ones (N-axis weights, tables)
 # the forward op's optional trailing inputs (tables, K- and N-axis weights, keep_down_n) and
 # their defaults
@@ -476,6 +503,7 @@ def _setup_context(ctx, inputs, output) -> None:
     if dn_n_kept.numel():  # w_down along N, quantized in forward (`_forward_weights`)
         weights_n[2:] = dn_n_kept, dn_n_kept_scale
     ctx.cfg = (precision, backend, wgrad, scale_blocks)
+    ctx.input_grad_hook = None if torch.compiler.is_compiling() else _INPUT_GRAD_HOOK.get()
     # backward returns one entry per argument autograd saw: the dispatcher drops the trailing
     # ones equal to their default (`inputs` has them filled in)
     while extra and extra[-1] is OPTIONAL_DEFAULTS[len(extra) - 1]:
@@ -514,6 +542,7 @@ def _backward(ctx, dout, *_unused):
         need_dwts, late, table, tile_ends, dn_n, dn_n_scale)
     del dout, y, dn_n, dn_n_scale
     dx = dwgu = None
+    free_sms = 0  # SMs the weight-gradient GEMMs leave to what the input-gradient hook started
     if chain:
         dh_rows, dh_rows_scale, dh_w, dh_w_scale = ops.routed_experts_bwd_swiglu(
             da, h, src, offs, *cfg, need_dx, need_dw, table, tile_ends)
@@ -521,13 +550,16 @@ def _backward(ctx, dout, *_unused):
         if need_dx:
             dx = ops.routed_experts_bwd_dx(dh_rows, dh_rows_scale, w_gate_up, rows, offs, cfg[0],
                                            cfg[1], cfg[3], gu_n, gu_n_scale)
+            if ctx.input_grad_hook is not None:
+                free_sms = ctx.input_grad_hook(dx)
         del gu_n, gu_n_scale
         if need_dw:
             if not mx:  # the twin's dH serves its dgrad and its weight gradient
                 dh_w, dh_w_scale = dh_rows, dh_rows_scale
             del dh_rows, dh_rows_scale
-            dwgu, dwdn_late = ops.routed_experts_bwd_dw(
-                dh_w, dh_w_scale, sx, sxs, dy_w, dy_w_scale, sa, sas, offs, *cfg, late)
+            with leave_sms(free_sms):
+                dwgu, dwdn_late = ops.routed_experts_bwd_dw(
+                    dh_w, dh_w_scale, sx, sxs, dy_w, dy_w_scale, sa, sas, offs, *cfg, late)
             if late:
                 dwdn = dwdn_late
     return (

@@ -30,7 +30,9 @@ layer: EMA and eval copies) share it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 from typing import NamedTuple, TypeAlias
 
 import torch
@@ -137,12 +139,19 @@ class AllToAllDispatcher:
     the outputs come back (`moe_mxfp8.expert_parallel`, docs/design/expert_parallel.md).
 
     ``payload`` (``"mxfp8"`` or ``"bf16"``): the tokens' dispatch; ``grad_payload``: the output
-    gradient's dispatch in backward. Expert outputs and input gradients return in BF16."""
+    gradient's dispatch in backward. Expert outputs and input gradients return in BF16.
 
-    def __init__(self, group, payload: str, grad_payload: str) -> None:
+    ``return_sms``: in backward the input gradients' return starts as soon as the local experts'
+    dgrad has made them, beside the experts' weight-gradient GEMMs, which leave that many SMs
+    free for it (`expert_parallel.RETURN_SMS`); None: the return waits for the whole expert
+    block's backward (the results are the same bit for bit)."""
+
+    def __init__(self, group, payload: str, grad_payload: str,
+                 return_sms: int | None = EP.RETURN_SMS) -> None:
         self.group = group
         self.payload = payload
         self.grad_payload = grad_payload
+        self.return_sms = return_sms
 
     def __deepcopy__(self, memo) -> AllToAllDispatcher:
         """Copies share the process group: a communicator is a handle, not state, and cannot
@@ -163,7 +172,11 @@ class AllToAllDispatcher:
         order = src.to(torch.int64)
         plan = EP.make_plan(routing.counts, self.group, experts.align)
         x_recv = EP.PairsToExperts.apply(x, order, k, plan, self.payload, experts.backend)
-        y_recv = self._local_experts(x_recv, plan, experts)  # (R, D)
+        early = self.return_sms is not None and x_recv.requires_grad
+        with (DP.on_input_grad(functools.partial(EP.start_input_grad_return, plan,
+                                                 sms=self.return_sms))
+              if early else contextlib.nullcontext()):
+            y_recv = self._local_experts(x_recv, plan, experts)  # (R, D)
         y_local = EP.OutputsToSources.apply(y_recv, plan, self.grad_payload, experts.backend)
         # From here on the single-process layer's combine stage: bf16(y * bf16(w)) summed over
         # k in fp32, in slot order, and its backward.
@@ -178,9 +191,9 @@ class AllToAllDispatcher:
         way), its combine returns y[land[i]] (bf16(y * 1) summed once: exact) -- and its
         backward takes dy rows as they come (bf16(dy * 1))."""
         r = x_recv.shape[0]
-        ar = torch.arange(r, device=x_recv.device)
+        ar = torch.arange(r, dtype=torch.int32, device=x_recv.device)
         src = torch.full((plan.rows,), -1, dtype=torch.int32, device=x_recv.device)
-        src = src.index_put_((plan.land,), ar.to(torch.int32))
+        src = src.index_put_((plan.land,), ar)
         ones = torch.ones(r, 1, dtype=torch.float32, device=x_recv.device)
         return run_experts(x_recv, ones, plan.land.to(torch.int32).view(r, 1), src, plan.offs,
                            experts)

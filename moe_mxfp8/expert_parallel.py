@@ -29,8 +29,11 @@ transport of our own: NCCL on GPUs, gloo on CPUs)::
               (`moe_mxfp8.stages.weighted_combine`).
 
 Backward is the mirror image, through autograd: the combine's backward dispatches ``dy`` to the
-experts (payload ``ep_grad_payload``: ``"bf16"``, default, or ``"mxfp8"``) and the dispatch's
-backward returns ``dx`` in BF16 to the source ranks, where the k copies of a token are summed.
+experts (payload ``ep_grad_payload``: ``"bf16"``, default, or ``"mxfp8"``) and ``dx`` returns in
+BF16 to the source ranks, where the dispatch's backward sums the k copies of a token. The ``dx``
+return starts inside the experts' backward, as soon as their dgrad has made it, and runs beside
+their weight gradients (`start_input_grad_return`, on a communicator of at most `RETURN_SMS`
+CTAs, with the GEMMs leaving that many SMs free); the dispatch's backward waits for it.
 
 Numerics (`docs/numerics.md`). The GEMM re-quantizes its BF16 operand rowwise along D with the
 same 32-blocks as the dispatch; the E4M3 x 2^e values of a dequantized block quantize back to
@@ -63,7 +66,7 @@ on saved per-rank dicts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -118,6 +121,9 @@ class Plan:
     land: Tensor  # (R,) int64: row of the expert-sorted layout for each received row
     offs: Tensor  # (E_l,) int32 cumulative group ends of that layout
     rows: int  # M: rows of that layout (R, or the aligned static extent)
+    # backward: the input-gradient return started early (`start_input_grad_return`):
+    # (the sent gradient, the receive buffer, the collective's work handle)
+    returning: tuple | None = field(default=None, repr=False)
 
 
 def exchange_counts(counts: Tensor, group) -> Tensor:
@@ -139,36 +145,46 @@ def group_sum(count: Tensor, group) -> int:
 
 
 def make_plan(counts: Tensor, group, align: int) -> Plan:
-    """Sizes first, then where every received pair lands (all on the device but the splits).
+    """Sizes first, then where every received pair lands.
 
     ``align > 1``: every local expert's group starts on a multiple of ``align`` rows and the
     layout has the single-GPU layer's static extent (``layer.group_align_rows``: 16, 128 for the
     1x128 recipe); ``align == 1``: the groups are packed (precision "bf16").
+
+    The split sizes must reach the host (the collective's API): that one device->host copy
+    brings the whole ``(P, E_l)`` count matrix with them, so the layout's per-chunk arithmetic
+    runs on the host (a few hundred integers) and the device builds only ``land`` (R rows) and
+    ``offs``: three kernels after the sync instead of some twenty, each a host launch the idle
+    GPU would wait for.
     """
     size = dist.get_world_size(group)
     recv_counts = exchange_counts(counts, group)  # (P, E_l)
     e_local = recv_counts.shape[1]
-    # The split sizes must be host ints (the collective's API): one device->host copy of 2P ints.
-    splits = torch.stack([counts.view(size, e_local).sum(1), recv_counts.sum(1)]).cpu()
-    send_splits, recv_splits = splits[0].tolist(), splits[1].tolist()
+    host = torch.cat([counts.view(size, e_local).sum(1), recv_counts.reshape(-1)]).cpu()
+    send_splits = host[:size].tolist()
+    rc = host[size:].view(size, e_local)  # pairs each source sends to each local expert
+    recv_splits = rc.sum(1).tolist()
     r = sum(recv_splits)
 
-    local = recv_counts.sum(0)  # (E_l,) pairs per local expert
-    grp = (local + align - 1) // align * align
-    m = padded_extent(r, e_local, align)  # static in r: no further host reads
-    grp_start = torch.cumsum(grp, 0) - grp  # (E_l,)
-    # Chunk (s, j): pairs from source s for local expert j; received s-major, landed j-major.
-    before = torch.cumsum(recv_counts, 0) - recv_counts  # (P, E_l) pairs of j from sources < s
-    dest_start = (grp_start[None, :] + before).reshape(-1)
-    sizes = recv_counts.reshape(-1)
+    grp = (rc.sum(0) + align - 1) // align * align  # (E_l,) group rows, aligned
+    m = padded_extent(r, e_local, align)  # static in r
+    grp_start = torch.cumsum(grp, 0) - grp
+    # Chunk (s, j): pairs from source s for local expert j; received s-major, landed j-major
+    # (expert j's group holds source 0's pairs, then source 1's, ...).
+    before = torch.cumsum(rc, 0) - rc  # (P, E_l) pairs of j from sources < s
+    sizes = rc.reshape(-1)
     src_start = torch.cumsum(sizes, 0) - sizes
-    chunk = torch.repeat_interleave(torch.arange(sizes.numel(), device=counts.device), sizes,
-                                    output_size=r)
-    land = dest_start[chunk] + torch.arange(r, device=counts.device) - src_start[chunk]
+    shift = (grp_start[None, :] + before).reshape(-1) - src_start  # land - arrival index
     ends = torch.cumsum(grp, 0)
     # the last group absorbs the slack up to the static extent (as datapath.route_layout)
-    offs = torch.cat([ends[:-1], ends.new_full((1,), m)]).to(torch.int32)
-    return Plan(group, send_splits, recv_splits, land, offs, m)
+    offs = torch.cat([ends[:-1], ends.new_full((1,), m)])
+    dev = torch.cat([shift, sizes, offs])
+    if counts.is_cuda:  # one host->device copy, from pinned memory: no second host sync
+        dev = dev.pin_memory().to(counts.device, non_blocking=True)
+    n = sizes.numel()
+    land = torch.arange(r, device=counts.device) + torch.repeat_interleave(
+        dev[:n], dev[n:2 * n], output_size=r)
+    return Plan(group, send_splits, recv_splits, land, dev[2 * n:].to(torch.int32), m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,19 +249,86 @@ def unpack_mxfp8_rows_ref(rows: Tensor, d: int) -> Tensor:
     return rearrange(data, "r b k -> r (b k)")
 
 
-def _send_rows(x: Tensor, index: Tensor, payload: str, backend: str, plan: Plan,
+def _send_rows(x: Tensor, index: Tensor | None, payload: str, backend: str, plan: Plan,
                reverse: bool) -> Tensor:
-    """Rows ``x[index]`` to the peers -> ``(rows received, D)`` BF16. ``reverse``: the
-    combine's direction (send as much as was received in the dispatch, and vice versa)."""
+    """Rows ``x[index]`` (None: ``x``'s rows as they are) to the peers -> ``(rows received, D)``
+    BF16. ``reverse``: the combine's direction (send as much as was received in the dispatch,
+    and vice versa)."""
     out_splits, in_splits = (
         (plan.send_splits, plan.recv_splits) if reverse else (plan.recv_splits, plan.send_splits)
     )
     n_out = sum(out_splits)
     if payload == "mxfp8":
+        if index is None:
+            index = torch.arange(x.shape[0], device=x.device)
         rows = pack_mxfp8_rows(x, index, backend)
         got = _all_to_all(rows, n_out, out_splits, in_splits, plan.group)
         return unpack_mxfp8_rows(got, x.shape[1], backend)
-    return _all_to_all(x.to(COMPUTE_DTYPE)[index], n_out, out_splits, in_splits, plan.group)
+    rows = x.to(COMPUTE_DTYPE) if index is None else x.to(COMPUTE_DTYPE)[index]
+    return _all_to_all(rows, n_out, out_splits, in_splits, plan.group)
+
+
+# SMs the expert block's weight-gradient GEMMs leave free while the input-gradient return runs
+# beside them (`start_input_grad_return`), and the CTAs that return's NCCL kernel may use: the
+# persistent GEMMs otherwise hold every SM to their end (one CTA per SM, the register file
+# full), and an NCCL kernel's CTA takes an SM of its own beside them. Fewer CTAs move the bytes
+# too slowly: at dsv3, P = 2 (2 x H100, 2026-11-27) the return took 5.0 ms beside the gate/up
+# weight gradient with 8 or 16 CTAs (1.5 ms alone) and outlasted it; with 32 it took 2.8 ms,
+# hidden inside the 4.1 ms the weight gradient then takes (3.2 ms on every SM).
+RETURN_SMS = 32
+
+_RETURN_GROUPS: dict = {}  # (group, CTAs) -> the group the early input-gradient return uses
+
+
+def return_group(group, ctas: int):
+    """The process group of the early input-gradient return over ``group``: with NCCL, a
+    communicator of the same ranks whose kernels use at most ``ctas`` CTAs, so that they fit
+    the SMs the weight gradients leave; ``group`` itself otherwise (gloo, or no cap). Made
+    once per (group, cap), in the first backward that needs it, by the group's ranks alone
+    (``use_local_synchronization``: other ranks of a larger job need not take part)."""
+    key = (group, ctas)
+    if key not in _RETURN_GROUPS:
+        side = group
+        if ctas > 0 and dist.get_backend(group) == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.config.max_ctas = ctas
+            opts.config.min_ctas = min(ctas, max(1, opts.config.min_ctas))
+            side = dist.new_group(dist.get_process_group_ranks(group), backend="nccl",
+                                  pg_options=opts, use_local_synchronization=True,
+                                  group_desc=f"moe_mxfp8_input_grad_return_{ctas}_ctas")
+        _RETURN_GROUPS[key] = side
+    return _RETURN_GROUPS[key]
+
+
+def start_input_grad_return(plan: Plan, dx: Tensor, sms: int = RETURN_SMS) -> int:
+    """Start the return of the received pairs' input gradient ``dx (R, D)`` bf16 to their
+    source ranks, asynchronously (NCCL: on its own stream, after what the current stream has
+    queued, on `return_group`'s communicator of at most ``sms`` CTAs), and keep it in ``plan``
+    for `PairsToExperts.backward` to wait on. The expert block calls this between its dgrad and
+    its weight gradients (`datapath.on_input_grad`), so the exchange runs beside them; returns
+    the SMs they leave it (``sms``)."""
+    if plan.returning is not None:  # never left over from an earlier backward
+        plan.returning[2].wait()
+    dx = dx.to(COMPUTE_DTYPE).contiguous()
+    back = dx.new_empty(sum(plan.send_splits), dx.shape[1])
+    work = dist.all_to_all_single(back, dx, plan.send_splits, plan.recv_splits,
+                                  group=return_group(plan.group, sms), async_op=True)
+    plan.returning = (dx, back, work)
+    return sms
+
+
+def _returned_input_grad(plan: Plan, grad: Tensor) -> Tensor:
+    """The pairs' gradients back on this rank ``(T k, D)``: the exchange started early if it
+    sent ``grad`` itself (waited on here), else one started now."""
+    early, plan.returning = plan.returning, None
+    if early is not None:
+        sent, back, work = early
+        work.wait()  # the current stream waits for the exchange; the host does not
+        if (sent.data_ptr() == grad.data_ptr() and sent.shape == grad.shape
+                and sent.dtype == grad.dtype):
+            return back
+    return _all_to_all(grad.to(COMPUTE_DTYPE), sum(plan.send_splits), plan.send_splits,
+                       plan.recv_splits, plan.group)
 
 
 class PairsToExperts(torch.autograd.Function):
@@ -263,9 +346,7 @@ class PairsToExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
-        plan = ctx.plan
-        back = _all_to_all(grad.to(COMPUTE_DTYPE), sum(plan.send_splits), plan.send_splits,
-                           plan.recv_splits, plan.group)  # (T k, D): the pairs' gradients
+        back = _returned_input_grad(ctx.plan, grad)  # (T k, D): the pairs' gradients
         # The k copies of a token summed as on one GPU (`datapath.dispatch_backward`: fp32, slot
         # order, BF16 once; no atomics). rows[t, j]: the row of back holding pair (t, j). Not
         # index_put_(accumulate=True): on CUDA it range-checks its index on the host (two syncs).
@@ -288,8 +369,8 @@ class OutputsToSources(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        idx = torch.arange(grad.shape[0], device=grad.device)
-        dy = _send_rows(grad, idx, ctx.grad_payload, ctx.backend, ctx.plan, reverse=False)
+        # the pairs' rows are already in sending order: no gather (a BF16 copy of them all)
+        dy = _send_rows(grad, None, ctx.grad_payload, ctx.backend, ctx.plan, reverse=False)
         return dy, None, None, None
 
 

@@ -15,7 +15,10 @@ Nothing here synchronises with the host.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 
@@ -43,14 +46,32 @@ def _check_types(a, b) -> None:
         raise TypeError("a and b must be MXFP8Tensor (use moe_mxfp8.quantize_*)")
 
 
+_LEAVE_SMS: ContextVar[int] = ContextVar("moe_mxfp8_leave_sms", default=0)
+
+
+@contextlib.contextmanager
+def leave_sms(n: int) -> Iterator[None]:
+    """Kernel GEMMs launched inside leave ``n`` SMs free: their persistent grids (one CTA per
+    SM, the register file full) would otherwise hold every SM until they end, so that a
+    collective issued just before them (an all-to-all's NCCL kernel) could not run beside them.
+    The results do not change (each output tile is computed whole by one CTA)."""
+    token = _LEAVE_SMS.set(n)
+    try:
+        yield
+    finally:
+        _LEAVE_SMS.reset(token)
+
+
 def run_kernel(backend: str, prob: problem.GroupedProblem, a: MXFP8Tensor, b: MXFP8Tensor,
                offs: torch.Tensor, **launch) -> torch.Tensor:
     """Launch the ``backend`` kernel on the described problem; ``launch``: the launcher's
-    keyword arguments (`kernels.grouped_gemm.launcher.run`). The first use of each compiled
-    configuration of a kernel that asks for it is checked against the reference."""
+    keyword arguments (`kernels.grouped_gemm.launcher.run`; ``leave_sms`` defaults to the
+    enclosing `leave_sms`). The first use of each compiled configuration of a kernel that asks
+    for it is checked against the reference."""
     from . import selfcheck
     from .kernels.grouped_gemm import launcher
 
+    launch.setdefault("leave_sms", _LEAVE_SMS.get())
     return launcher.run(_host_class(backend), prob, a, b, offs,
                         first_use=selfcheck.verify_on_first_use, **launch)
 

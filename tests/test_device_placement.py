@@ -14,6 +14,7 @@ grouped GEMMs, the quantizers and the expert-parallel payload kernels.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import subprocess
 import sys
@@ -377,3 +378,27 @@ def test_ep_payload_kernels_on_second_gpu():
     first, second = _on_both(run)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))
+
+
+def test_grid_leaves_the_sms_asked_for(fake_cuda, monkeypatch):
+    """``leave_sms``: the persistent grid shrinks by whole clusters until that many SMs are free
+    (132-SM GPU: 116 single CTAs for 16 SMs, 58 two-CTA clusters for 15), never below one
+    cluster nor above the work or ``max_clusters``."""
+    from moe_mxfp8.kernels.grouped_gemm import launcher
+
+    # (cached as the real query is: the fixture clears it afterwards)
+    monkeypatch.setattr(launcher, "_max_active_clusters",
+                        functools.cache(lambda index, size: 132 // size))
+    prob = SimpleNamespace(device=torch.device("cuda", 0), m=1 << 20, num_groups=8)
+
+    def host(size, units):
+        return SimpleNamespace(cluster_size=lambda: size, units_per_cluster=lambda: size,
+                               units_bound=lambda m, g: units)
+
+    grid = launcher._grid_clusters
+    assert grid(host(1, 10**6), prob, None) == grid(host(1, 10**6), prob, None, 0) == 132
+    assert grid(host(1, 10**6), prob, None, 16) == 116
+    assert grid(host(2, 10**6), prob, None, 15) == 58 and grid(host(2, 10**6), prob, None, 16) == 58
+    assert grid(host(1, 40), prob, None, 16) == 40  # fewer units than SMs left: unchanged
+    assert grid(host(1, 10**6), prob, 100, 16) == 100 and grid(host(1, 10**6), prob, 7, 16) == 7
+    assert grid(host(1, 10**6), prob, None, 500) == 1

@@ -296,6 +296,63 @@ def test_dispatcher_holds_the_group_and_copies_share_it(gen, precision):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_input_grad_return_starts_before_the_weight_gradients(gen, monkeypatch, precision):
+    """In backward the input gradients' return exchange starts as soon as the local experts'
+    dgrad has made them: before the experts' weight-gradient GEMMs, which run with
+    ``return_sms`` SMs left free, and the dispatch's backward then takes that exchange's result
+    (no second exchange). With ``return_sms=None`` the return runs after the whole expert block;
+    outputs and every gradient are the same bit for bit. gloo, world 1."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    from moe_mxfp8 import datapath as DP
+    from moe_mxfp8 import grouped_gemm as GG
+
+    events: list = []  # (function name, SMs the grouped GEMMs leave free at the call)
+
+    def spy(module, name):
+        fn = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            events.append((name, GG._LEAVE_SMS.get()))
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapped)
+
+    init_rank(0, 1, free_port(), "gloo")
+    try:
+        early = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, precision=precision,
+                         backend=LAYER_BACKEND["cpu"], ep_group=dist.group.WORLD)
+        assert early.dispatcher.return_sms == EP.RETURN_SMS
+        late = copy.deepcopy(early)
+        late.dispatcher.return_sms = None
+        x = torch.randn(150, DIM, generator=gen).to(BF16)
+        dy = torch.randn(150, DIM, generator=gen).to(BF16)
+        spy(EP, "start_input_grad_return")
+        spy(EP, "_all_to_all")
+        spy(DP, "grouped_mm_k")  # the MXFP8 weight gradients (the twin's are torch's)
+        results = {}
+        for layer in (early, late):
+            events.clear()
+            results[layer.dispatcher.return_sms] = fwd_bwd(layer, x, dy)
+            names = [e[0] for e in events]
+            if layer is early:
+                # forward: tokens out, outputs back; backward: dy out, then the early return
+                start = names.index("start_input_grad_return")
+                assert names.count("start_input_grad_return") == 1
+                assert names.count("_all_to_all") == 3 and names.index("_all_to_all", 2) < start
+                wgrads = [e[1] for e in events[start:] if e[0] == "grouped_mm_k"]
+                assert all(v == EP.RETURN_SMS for v in wgrads)
+                assert len(wgrads) == (2 if precision == "mxfp8" else 0)
+            else:
+                assert "start_input_grad_return" not in names and names.count("_all_to_all") == 4
+                assert all(e[1] == 0 for e in events if e[0] == "grouped_mm_k")
+        (y, dx, g), (y_late, dx_late, g_late) = results[EP.RETURN_SMS], results[None]
+        assert torch.equal(y, y_late) and torch.equal(dx, dx_late)
+        assert all(torch.equal(g[n], g_late[n]) for n in g)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
 # The torchtitan-shaped experts module and the swap example (single process)
 # ---------------------------------------------------------------------------------------------

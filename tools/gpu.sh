@@ -109,7 +109,7 @@ ep() {
     local tokens=""; [ "$p" = 1 ] && tokens="--tokens ${EP_TOKENS:-8192}"
     # shellcheck disable=SC2086
     timeout $(( $(limit ep) / 5 )) torchrun --nproc-per-node "$p" -m benchmarks.bench_ep \
-      --shapes "${EP_SHAPES:-qwen3,dsv3}" $tokens --json "$OUT/ep_$p.json" 2>&1 \
+      --shapes "${EP_SHAPES:-qwen3,dsv3}" $tokens --profile --json "$OUT/ep_$p.json" 2>&1 \
       | grep -v "^W1" | tee "$OUT/ep_$p.txt"
   done
 }

@@ -123,13 +123,20 @@ def _max_active_clusters(index: int, cluster_size: int) -> int:
     return compile_cache.device_fact(f"max_active_clusters {gpu} cluster={cluster_size}", query)
 
 
-def _grid_clusters(host, problem: P.GroupedProblem, max_clusters: int | None) -> int:
-    """Persistent grid in clusters: no more than the walk has units for, nor than fit."""
+def _grid_clusters(host, problem: P.GroupedProblem, max_clusters: int | None,
+                   leave_sms: int = 0) -> int:
+    """Persistent grid in clusters: no more than the walk has units for, nor than fit, and
+    ``leave_sms`` SMs left free (for a collective running beside the GEMM: with one CTA per SM
+    and the register file full, a kernel launched later gets no SM until the GEMM ends)."""
     dev = problem.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     per = host.units_per_cluster()
     units = -(-host.units_bound(problem.m, problem.num_groups) // per)
-    clusters = min(units, _max_active_clusters(index, host.cluster_size()))
+    size = host.cluster_size()
+    fit = _max_active_clusters(index, size)
+    if leave_sms:
+        fit -= -(-leave_sms // size)
+    clusters = min(units, fit)
     if max_clusters is not None:
         clusters = min(clusters, max_clusters)
     return max(1, clusters)
@@ -149,7 +156,7 @@ def grouped_mm(kernel_cls, mode: str, a, b, offs: torch.Tensor, out_dtype: torch
 
 def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
         aligned_groups: bool = False, out: torch.Tensor | None = None,
-        tuning: dict | None = None, max_clusters: int | None = None,
+        tuning: dict | None = None, max_clusters: int | None = None, leave_sms: int = 0,
         first_use: Callable | None = None) -> torch.Tensor:
     """Launch ``kernel_cls`` on the described problem ``prob`` of operands ``a``, ``b``.
 
@@ -159,6 +166,8 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
     * ``out``: a preallocated output the kernel overwrites entirely (tests, benchmarks).
     * ``tuning``: overrides of the configuration's tuning fields (benchmarks).
     * ``max_clusters``: cap on the persistent grid (first-use checks: many tiles per CTA).
+    * ``leave_sms``: SMs the persistent grid leaves free (a collective overlapping the GEMM).
+      Each output tile is still computed whole by one CTA: the result does not change.
     * ``first_use(kernel_cls, config, device)``: called before the launch when the class asks
       for a first-use check (``check_on_first_use``); the API passes `moe_mxfp8.selfcheck`'s.
     """
@@ -167,12 +176,12 @@ def run(kernel_cls, prob: P.GroupedProblem, a, b, offs: torch.Tensor, *,
         return result if prob.mode == P.MODE_M else result.zero_()
     with on_device(prob.device):  # the operands' GPU, whichever device is current
         _launch(kernel_cls, prob, a, b, offs, result, aligned_groups, tuning, max_clusters,
-                first_use)
+                leave_sms, first_use)
     return result
 
 
 def _launch(kernel_cls, prob, a, b, offs, result, aligned_groups, tuning, max_clusters,
-            first_use) -> None:
+            leave_sms, first_use) -> None:
     """`run` on the operands' device: align, configure, check, compile or load, launch."""
     a_data, b_data = a.data, b.data
     offs = P.kernel_offs(offs)  # kept alive to the launch, which reads E consecutive int32
@@ -189,7 +198,7 @@ def _launch(kernel_cls, prob, a, b, offs, result, aligned_groups, tuning, max_cl
     if first_use is not None and kernel_cls.check_on_first_use:
         # the class as given (host or kernel): the check needs no CuTeDSL to look up its verdict
         first_use(kernel_cls, config, prob.device)
-    clusters = _grid_clusters(host, prob, max_clusters)
+    clusters = _grid_clusters(host, prob, max_clusters, leave_sms)
     stream = current_stream(prob.device)
     fn = compile_config(kernel_cls, config, stream=stream, arch=launch_arch(prob.device))
     fp8, u8 = "float8_e4m3fn", "uint8"

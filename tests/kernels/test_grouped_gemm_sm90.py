@@ -463,6 +463,26 @@ def test_1x128_kernel_turns_1x32_operands_into_nan():
 @gpu
 @needs_cuda
 @needs_hopper
+@pytest.mark.parametrize("scale_blocks", ["1x32", "1x128"])
+def test_wgrad_leaving_sms_free_is_bitwise_the_same(scale_blocks):
+    """``leave_sms`` (the expert-parallel input-gradient return runs beside the weight
+    gradients): a smaller persistent grid walks more tiles per CTA, each tile still computed
+    whole by one CTA, so the output is the full grid's bit for bit."""
+    dev = "cuda"
+    torch.manual_seed(7)
+    sizes = [640, 0, 384, 128, 1024]
+    offs = _offs(sizes, dev)
+    m, n, k = sum(sizes), 512, 1024
+    a = R.quantize_colwise_ref(torch.randn(m, n, device=dev), offs=offs, scale_blocks=scale_blocks)
+    b = R.quantize_colwise_ref(torch.randn(m, k, device=dev), offs=offs, scale_blocks=scale_blocks)
+    outs = [_mm("k", a, b, offs, aligned_groups=True, scale_blocks=scale_blocks, leave_sms=sms,
+                out=torch.full((len(sizes), n, k), float("nan"), device=dev, dtype=torch.bfloat16))
+            for sms in (0, 16, 120)]
+    _check_wgrad(outs[0], R.grouped_mm(a, b, offs, torch.float32), sizes, torch.bfloat16)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
+@needs_hopper
 @pytest.mark.parametrize("op", ["m", "k"])
 def test_1x128_cluster_and_persistent_loop(op):
     """2-CTA clusters and a 3-CTA persistent grid over many k-tiles, 1x128 recipe."""
