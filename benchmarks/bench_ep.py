@@ -1,6 +1,7 @@
 """Expert-parallel dispatch and layer step on the GPUs of one host (NCCL), payload MXFP8 vs BF16.
 
     torchrun --nproc-per-node N -m benchmarks.bench_ep [--shapes dsv3,qwen3] [--tokens T] [--json f]
+             [--shared S] [--profile [--trace DIR]] [--reps R]
     python -m benchmarks.bench_ep ...      # one GPU: world size 1 (NCCL loopback)
 
 Per shape (benchmarks.bench_moe_layer.SHAPES; ``--tokens`` tokens per rank, default the shape's
@@ -41,6 +42,7 @@ BACKEND = "auto"
 PROFILE = False  # --profile: each step's top GPU kernels
 WARMUP, REPS = 2, 5  # calls before timing, timed calls (the median)
 TRACE_DIR = ""  # --trace DIR: each profiled step's Chrome trace, per rank
+SHARED = 0  # --shared S: shared experts in every layer (DeepSeek-V3 has one)
 # --cpu-dry-run's own shape (checks the script in seconds; 128: a whole 1x128 block)
 DRY_RUN_SHAPES = {"tiny": LayerShape("tiny", 8, 256, 128, 128, 2)}
 RETURN_SMS_SWEEP = (0, 16, 24, 32, 48)  # SMs the weight gradients leave the early input-grad return
@@ -54,7 +56,8 @@ def bench_shape(shape, tokens: int, group) -> dict:
     ws = dist.get_world_size(group)
     d, e, k = shape.dim, shape.num_experts, shape.top_k
     torch.manual_seed(0)  # same router and experts on every rank
-    full = MXFP8MoE(d, shape.hidden, e, k, device=DEV, backend=BACKEND)
+    full = MXFP8MoE(d, shape.hidden, e, k, device=DEV, backend=BACKEND,
+                    num_shared_experts=SHARED)
     sd = full.state_dict()
     torch.manual_seed(1 + dist.get_rank())
     # the input needs its gradient, as every MoE layer's but a first layer's does: the step
@@ -63,7 +66,7 @@ def bench_shape(shape, tokens: int, group) -> dict:
     x = xg.detach()
     dy = torch.randn(tokens, d, device=DEV).to(BF16)
     res = {"shape": shape.name, "world_size": ws, "tokens_per_rank": tokens, "dim": d,
-           "hidden": shape.hidden, "experts": e, "top_k": k}
+           "hidden": shape.hidden, "experts": e, "top_k": k, "shared_experts": SHARED}
     res["bytes_mxfp8"] = tokens * k * (d + d // 32)
     res["bytes_bf16"] = tokens * k * 2 * d
 
@@ -105,7 +108,8 @@ def bench_shape(shape, tokens: int, group) -> dict:
     del full
     for payload, grad_payload in (("mxfp8", "bf16"), ("bf16", "bf16"), ("mxfp8", "mxfp8")):
         ep = MXFP8MoE(d, shape.hidden, e, k, device=DEV, backend=BACKEND, ep_group=group,
-                      ep_payload=payload, ep_grad_payload=grad_payload)
+                      ep_payload=payload, ep_grad_payload=grad_payload,
+                      num_shared_experts=SHARED)
         ep.load_state_dict(sd)
         key = payload if grad_payload == "bf16" else f"{payload}_grad_{grad_payload}"
         timed(f"ep_{key}", ep)
@@ -116,6 +120,10 @@ def bench_shape(shape, tokens: int, group) -> dict:
                 ep.dispatcher.return_sms = sms
                 timed(f"ep_{key}_return_{'after' if sms is None else sms}", ep)
             ep.dispatcher.return_sms = EP.RETURN_SMS
+            if SHARED:  # the shared experts after the routed ones, on the same stream
+                ep.dispatcher.overlap_shared = False
+                timed(f"ep_{key}_shared_inline", ep)
+                ep.dispatcher.overlap_shared = True
         del ep
     if DEV == "cuda":
         torch.cuda.empty_cache()
@@ -195,11 +203,15 @@ def main() -> None:
                     help="also profile one call of each step: its top GPU kernels (JSON)")
     ap.add_argument("--trace", default="", help="with --profile: write each profiled step's "
                     "Chrome trace into this folder, per rank")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="shared experts in every layer (DeepSeek-V3: 1); the EP layer then is "
+                    "also timed with them after the routed experts on one stream")
     ap.add_argument("--reps", type=int, default=5, help="timed calls (median)")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
-    global DEV, BACKEND, PROFILE, WARMUP, REPS, TRACE_DIR
+    global DEV, BACKEND, PROFILE, WARMUP, REPS, TRACE_DIR, SHARED
     PROFILE, WARMUP, REPS, TRACE_DIR = args.profile, args.warmup, args.reps, args.trace
+    SHARED = args.shared
     if TRACE_DIR:
         os.makedirs(TRACE_DIR, exist_ok=True)
     if args.cpu_dry_run:
@@ -240,6 +252,11 @@ def main() -> None:
                      f"({r[f'step_ms_ep_mxfp8_return_{n}'] / one:.2f}x)"
                      for n in ("after", *RETURN_SMS_SWEEP)]
             print(f"{r['shape']:6} one GPU {one:.1f} | " + " | ".join(cells))
+            if "step_ms_ep_mxfp8_shared_inline" in r:
+                print(f"{r['shape']:6} {r['shared_experts']} shared expert(s): on a second stream "
+                      f"{r['step_ms_ep_mxfp8']:.1f} ({r['step_ms_ep_mxfp8'] / one:.2f}x), after "
+                      f"the routed experts {r['step_ms_ep_mxfp8_shared_inline']:.1f} "
+                      f"({r['step_ms_ep_mxfp8_shared_inline'] / one:.2f}x)")
         if args.json:
             gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
             with open(args.json, "w") as f:

@@ -6,8 +6,9 @@ The layer's forward is one code path, with or without expert parallelism::
     check x (..., D) -> x_flat (T, D)
     route     layer.route(x_flat) -> `Routing`: weights (T, k), expert ids (T, k), counts (E,), aux
     experts   `Experts`: this process's expert weights and the forward's resolved options
-    dispatch  layer.dispatcher.run(x_flat, routing, experts) -> (T, D) BF16 routed output
-    finish    + shared experts, x's dtype and shape
+    dispatch  layer.dispatcher.run(x_flat, routing, experts, shared) -> (T, D) BF16: the routed
+              output plus the shared experts' (``shared``, if any)
+    finish    x's dtype and shape
 
 * `LocalDispatcher` (``ep_group=None``): every expert in this process. `datapath.route_layout`
   lays the pairs out expert-sorted and group-padded, `datapath.routed_experts` runs the fused
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
 
 import torch
@@ -108,6 +110,9 @@ def _nonfinite_rows_or_raise_fake(logits, who):
 # ---------------------------------------------------------------------------------------------
 
 
+SharedExperts = Callable[[Tensor], Tensor]  # x (T, D) -> the shared experts' output (T, D) bf16
+
+
 class LocalDispatcher:
     """Every expert in this process: the lean data path's fused dispatch, experts and combine
     (`moe_mxfp8.datapath`; every recipe and the BF16 twin). The dispatch writes the sorted,
@@ -116,13 +121,15 @@ class LocalDispatcher:
 
     group = None  # no process group
 
-    def run(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
-        """``x (T, D)`` this process's tokens -> ``(T, D)`` bf16 routed output."""
+    def run(self, x: Tensor, routing: Routing, experts: Experts,
+            shared: SharedExperts | None = None) -> Tensor:
+        """``x (T, D)`` this process's tokens -> ``(T, D)`` bf16: the routed output, plus
+        ``shared(x)`` if given."""
         rows, src, offs, tables = DP.layout(routing.expert_ids, routing.counts, experts.align,
                                             experts.precision, experts.scale_blocks,
                                             experts.backend)
-        return run_experts(x.to(COMPUTE_DTYPE), routing.weights, rows, src, offs, experts,
-                           tables)
+        out = run_experts(x.to(COMPUTE_DTYPE), routing.weights, rows, src, offs, experts, tables)
+        return out if shared is None else out + shared(x)
 
     def nonfinite_rows_or_raise(self, logits: Tensor) -> Tensor:
         """``(T,)`` bool: tokens whose ``logits`` hold NaN/Inf; `NonFiniteInputError` if any."""
@@ -144,14 +151,21 @@ class AllToAllDispatcher:
     ``return_sms``: in backward the input gradients' return starts as soon as the local experts'
     dgrad has made them, beside the experts' weight-gradient GEMMs, which leave that many SMs
     free for it (`expert_parallel.RETURN_SMS`); None: the return waits for the whole expert
-    block's backward (the results are the same bit for bit)."""
+    block's backward.
+
+    ``overlap_shared``: on a GPU, the shared experts (if any) run on a second CUDA stream,
+    queued before the routing's host sync, so that their GEMMs -- forward, and through autograd,
+    which runs each backward op on its forward op's stream, backward -- fill the time the GPU
+    would spend waiting for the host and for the exchanges; False: after the routed experts, on
+    the current stream. Either choice gives the same results bit for bit."""
 
     def __init__(self, group, payload: str, grad_payload: str,
-                 return_sms: int | None = EP.RETURN_SMS) -> None:
+                 return_sms: int | None = EP.RETURN_SMS, overlap_shared: bool = True) -> None:
         self.group = group
         self.payload = payload
         self.grad_payload = grad_payload
         self.return_sms = return_sms
+        self.overlap_shared = overlap_shared
 
     def __deepcopy__(self, memo) -> AllToAllDispatcher:
         """Copies share the process group: a communicator is a handle, not state, and cannot
@@ -161,9 +175,24 @@ class AllToAllDispatcher:
         memo[id(self)] = new
         return new
 
-    def run(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
-        """``x (T, D)`` this rank's tokens (any count, 0 included) -> ``(T, D)`` bf16 routed
-        output. Collective: every rank of the group calls it."""
+    def run(self, x: Tensor, routing: Routing, experts: Experts,
+            shared: SharedExperts | None = None) -> Tensor:
+        """``x (T, D)`` this rank's tokens (any count, 0 included) -> ``(T, D)`` bf16: the
+        routed output, plus ``shared(x)`` if given. Collective: every rank of the group calls
+        it."""
+        side = (self.overlap_shared and shared is not None and x.is_cuda
+                and not torch.compiler.is_compiling())
+        if side:
+            shared_out = _on_side_stream(shared, x)
+        out = self._routed(x, routing, experts)
+        if shared is None:
+            return out
+        if side:
+            torch.cuda.current_stream(x.device).wait_stream(_side_stream(x.device))
+            return out + shared_out
+        return out + shared(x)
+
+    def _routed(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
         k = routing.expert_ids.shape[1]
         # the pairs in expert order with no padding: src[i] is the pair of sorted row i (the
         # stable sort), rows[t, j] the sorted row of pair (t, j)
@@ -209,6 +238,35 @@ class AllToAllDispatcher:
 
 
 Dispatcher: TypeAlias = LocalDispatcher | AllToAllDispatcher  # what `MXFP8MoE.dispatcher` holds
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # GPU index -> the shared experts' stream
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _on_side_stream(fn: SharedExperts, x: Tensor) -> Tensor:
+    """``fn(x)`` queued on the GPU's second stream after what the current stream has queued
+    (x's producers). The caching allocator is told that each stream uses the other's tensor
+    (``record_stream``), so neither block is reused while the other stream may still read
+    it; the caller makes the current stream wait for the side stream before reading the
+    result."""
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    side.wait_stream(main)
+    # A view made on the current stream: x's gradient from the side stream then arrives through
+    # a node of the current stream, so a leaf x's AccumulateGrad (of the current stream) is not
+    # fed from another stream (autograd warns of that, and syncs more).
+    xs = x.view_as(x)
+    with torch.cuda.stream(side):
+        x.record_stream(side)
+        out = fn(xs)
+    out.record_stream(main)
+    return out
 
 
 def setup_layer(layer, group) -> int:

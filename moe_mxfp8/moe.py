@@ -521,8 +521,9 @@ class MXFP8MoE(nn.Module):
         return routing
 
     def _shared_experts(self, x: torch.Tensor) -> torch.Tensor:
-        """Dense SwiGLU of the shared experts in BF16 for both precisions: ``x (T, D)`` bf16 ->
+        """Dense SwiGLU of the shared experts in BF16 for both precisions: ``x (T, D)`` ->
         ``(T, D)`` bf16 (gate and up as one ``(T, 2 Hs)`` GEMM, then down)."""
+        x = x.to(COMPUTE_DTYPE)
         h = F.linear(x, self.shared_w_gate_up.to(COMPUTE_DTYPE))  # (T, 2 Hs)
         gate, up = rearrange(h, "t (two h) -> two t h", two=2)
         return F.linear(F.silu(gate) * up, self.shared_w_down.to(COMPUTE_DTYPE))  # (T, D)
@@ -550,12 +551,7 @@ class MXFP8MoE(nn.Module):
         routing = self.route(x_flat)
         self.aux_loss = routing.aux_loss
         self.tokens_per_expert = routing.counts.detach()
-        out = self.dispatcher.run(x_flat, routing, self._experts(x))  # (T, D) bf16
-        return self._finish(out, x_flat, x)
-
-    def _finish(self, out: torch.Tensor, x_flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out (T, D)`` of the routed experts, plus the shared experts' output (if any), in
-        ``x``'s dtype and shape."""
-        if self.num_shared_experts:
-            out = out + self._shared_experts(x_flat.to(COMPUTE_DTYPE))  # (T, D) bf16
+        # the routed experts' output plus the shared experts' (if any), (T, D) bf16
+        shared = self._shared_experts if self.num_shared_experts else None
+        out = self.dispatcher.run(x_flat, routing, self._experts(x), shared)
         return out.to(x.dtype).reshape(x.shape)

@@ -22,14 +22,17 @@ def test_bench_ep_cpu_dry_run(tmp_path):
         env.pop(var, None)
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_ep", "--cpu-dry-run", "--shapes", "tiny",
-         "--tokens", "48", "--warmup", "0", "--reps", "1", "--profile", "--json", str(out)],
+         "--tokens", "48", "--warmup", "0", "--reps", "1", "--profile", "--shared", "1",
+         "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "input-gradient return" in proc.stdout
     (row,) = json.loads(out.read_text())["rows"]
     from benchmarks.bench_ep import RETURN_SMS_SWEEP
 
+    assert "1 shared expert(s)" in proc.stdout and row["shared_experts"] == 1
     keys = ["one_gpu_all_experts", "ep_mxfp8", "ep_bf16", "ep_mxfp8_grad_mxfp8",
+            "ep_mxfp8_shared_inline",
             *[f"ep_mxfp8_return_{n}" for n in ("after", *RETURN_SMS_SWEEP)]]
     for key in keys:
         assert row[f"step_ms_{key}"] > 0, key

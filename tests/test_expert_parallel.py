@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import warnings
 
 import pytest
 import torch
@@ -630,6 +631,19 @@ def test_gpu_nccl_world_size_1(gen):
         dy = torch.randn(256, DIM, device="cuda").to(BF16)
         ep(x).backward(dy)  # warm-up (kernel compiles, caches)
         assert _count_syncs(lambda: ep(x).backward(dy)) == 1
+        # the shared experts on a second stream: the one-stream results, bit for bit
+        two = MXFP8MoE(DIM, HIDDEN, EXPERTS, TOP_K, device="cuda", num_shared_experts=2,
+                       ep_group=dist.group.WORLD)
+        one = copy.deepcopy(two)
+        one.dispatcher.overlap_shared = False
+        assert two.dispatcher.overlap_shared and not one.dispatcher.overlap_shared
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            (y2, dx2, g2), (y1, dx1, g1) = (fwd_bwd(m, x.detach(), dy) for m in (two, one))
+        # a leaf input's gradient from both streams: no cross-stream AccumulateGrad warning
+        assert not [w for w in seen if "stream" in str(w.message)], [str(w.message) for w in seen]
+        assert torch.equal(y2, y1) and torch.equal(dx2, dx1)
+        assert all(torch.equal(g2[n], g1[n]) for n in g1)
     finally:
         dist.destroy_process_group()
 
