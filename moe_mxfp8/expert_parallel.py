@@ -284,8 +284,11 @@ def return_group(group, ctas: int):
     """The process group of the early input-gradient return over ``group``: with NCCL, a
     communicator of the same ranks whose kernels use at most ``ctas`` CTAs, so that they fit
     the SMs the weight gradients leave; ``group`` itself otherwise (gloo, or no cap). Made
-    once per (group, cap), in the first backward that needs it, by the group's ranks alone
-    (``use_local_synchronization``: other ranks of a larger job need not take part)."""
+    once per (group, cap), in the first backward that needs it, by the group's ranks
+    (``use_local_synchronization``). Where the default group is bound to a device, torch makes
+    it by splitting the default group's communicator, a collective of every rank of the job:
+    every rank's first backward makes its own expert-parallel group's in the same step, so all
+    take part (GPU-tested with the job's whole group as the expert-parallel group, P = 1, 2)."""
     key = (group, ctas)
     if key not in _RETURN_GROUPS:
         side = group
